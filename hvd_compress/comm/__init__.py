@@ -1,0 +1,1 @@
+"""Collectives: the Communicator protocol, its implementations, the compressed all-reduce."""

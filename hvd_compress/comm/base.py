@@ -1,0 +1,37 @@
+"""The Communicator protocol: how the pipeline reaches a collective library."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from hvd_compress.comm.ops import Collective
+
+
+class Communicator(Protocol):
+    """Asynchronous collectives among ``size`` ranks, matched across ranks by name.
+
+    ``start`` must not block on other ranks; ``wait`` returns the result in the shape the
+    request documents (see :mod:`hvd_compress.comm.ops`). Every rank starts the same names,
+    in any order.
+    """
+
+    rank: int
+    size: int
+
+    def start(self, name: str, op: Collective) -> Any: ...
+
+    def wait(self, handle: Any) -> torch.Tensor | list[torch.Tensor]: ...
+
+
+def split_gathered(
+    gathered: torch.Tensor, sizes: tuple[int, ...] | None
+) -> list[torch.Tensor]:
+    """Turn a concatenated all-gather result into the per-rank list ``AllGather`` promises."""
+    if sizes is None:
+        return [gathered]
+    if sum(sizes) != gathered.numel():
+        raise RuntimeError(f"all-gather returned {gathered.numel()} elements, "
+                           f"expected {sum(sizes)} ({list(sizes)} per rank)")
+    return list(torch.split(gathered, list(sizes)))

@@ -1,0 +1,56 @@
+"""What a scheme asks to have communicated.
+
+A scheme's :meth:`~hvd_compress.schemes.base.Scheme.exchange` is a generator: it yields one
+of these requests per communication round and receives the result. The pipeline names each
+round ``hvdc.<tensor>.<round>`` (deterministic, identical on every rank, which is how
+Horovod matches collectives), starts it asynchronously and counts its bytes, so codecs never
+call a collective themselves and run unchanged in one process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AllReduce:
+    """Element-wise **sum** over ranks of a dense tensor. Result: a tensor of the same shape."""
+
+    round: str
+    tensor: torch.Tensor
+
+
+@dataclass(frozen=True)
+class AllGather:
+    """Concatenate every rank's flat tensor in rank order.
+
+    Result: a list with one tensor per rank. ``sizes`` gives each rank's element count when
+    the scheme knows it (fixed-rate codecs); otherwise every rank's payload must be
+    self-delimiting and the result is a one-element list holding the concatenation.
+    """
+
+    round: str
+    tensor: torch.Tensor
+    sizes: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class AllToAll:
+    """Send ``splits[r]`` consecutive elements of a flat tensor to rank ``r``.
+
+    Result: a list with the tensor received from each rank, in rank order.
+    """
+
+    round: str
+    tensor: torch.Tensor
+    splits: tuple[int, ...]
+
+
+Collective = AllReduce | AllGather | AllToAll
+
+
+def nbytes(op: Collective) -> int:
+    """Bytes this rank hands to the collective."""
+    return op.tensor.numel() * op.tensor.element_size()

@@ -1,0 +1,1 @@
+"""One file per compression scheme; see hvd_compress.Compression."""

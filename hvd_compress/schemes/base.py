@@ -1,0 +1,172 @@
+"""The contract every compression scheme fulfils.
+
+A scheme holds the math of one algorithm and nothing else. Its :meth:`Scheme.exchange` is a
+generator that yields collective requests (:mod:`hvd_compress.comm.ops`) and receives their
+results; it returns an :class:`Outcome` with the aggregate and the state to keep. The
+pipeline (:mod:`hvd_compress.pipeline`) owns everything around it: the policy, error
+feedback, naming, starting and waiting on collectives, byte counts, and committing state
+only when the step succeeded. So a scheme can be run in one process, driven by hand or by
+:class:`~hvd_compress.comm.threads.ThreadGroup`.
+
+Schemes also present Horovod's ``Compressor`` interface (``compress``/``decompress``). Only
+the stateless, summable ones (no compression, float16) can honour it; every other scheme
+raises an error that says what to use instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from abc import ABC, abstractmethod
+from collections.abc import Generator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hvd_compress.comm.ops import Collective
+
+State = dict[str, torch.Tensor]
+Exchange = Generator[Collective, Any, "Outcome"]
+
+
+@dataclass(frozen=True)
+class ExchangeContext:
+    """Where and when an exchange runs: the tensor's name, this rank, the step number."""
+
+    name: str
+    rank: int
+    size: int
+    step: int
+    seed: int = 0
+
+    def generator(self, stream: str, device: torch.device, shared: bool = False) -> torch.Generator:
+        """A random generator determined by (seed, tensor, step, stream[, rank]).
+
+        ``shared=True`` gives every rank the same numbers (PowerSGD's initial Q, random-k's
+        indices); otherwise each rank draws its own (stochastic rounding). Deriving it from
+        the step rather than carrying a generator makes a resumed run draw what an
+        uninterrupted one would.
+        """
+        who = "shared" if shared else f"rank{self.rank}"
+        key = f"{self.seed}/{self.name}/{self.step}/{stream}/{who}".encode()
+        seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+        gen = torch.Generator(device=device)
+        gen.manual_seed(seed)
+        return gen
+
+
+@dataclass
+class Outcome:
+    """The result of one tensor's exchange.
+
+    ``aggregate`` is the **sum** over ranks (the pipeline divides for an average).
+    ``sent`` is this rank's own contribution as the others decode it, which error feedback
+    subtracts from the input; ``None`` means it was sent exactly. ``state`` replaces the
+    scheme's per-tensor state once the step is known to be good. ``payload_bytes`` is the
+    exact encoded size of this rank's contribution.
+    """
+
+    aggregate: torch.Tensor
+    sent: torch.Tensor | None
+    payload_bytes: int
+    state: State = field(default_factory=dict)
+
+
+class Scheme(ABC):
+    """A gradient compression algorithm.
+
+    Attributes:
+        name: short identifier used in logs, benchmarks and state dicts.
+        error_feedback: whether the pipeline keeps a residual ``e`` per tensor and sends
+            ``g + e`` (Seide et al. 2014; Karimireddy et al. 2019, "Error Feedback Fixes
+            SignSGD"): ``e <- (g + e) - sent``. Biased schemes need it to converge.
+        min_compression_rate: the policy sends a tensor dense when this scheme would shrink
+            it by less (unless the policy sets its own threshold).
+    """
+
+    name: str = "scheme"
+    error_feedback: bool = False
+    min_compression_rate: float = 1.0
+
+    @abstractmethod
+    def exchange(self, x: torch.Tensor, state: Mapping[str, torch.Tensor],
+                 ctx: ExchangeContext) -> Exchange:
+        """Communicate ``x`` (float32, the tensor's shape) and return the aggregate."""
+
+    @abstractmethod
+    def payload_bytes(self, shape: torch.Size) -> int:
+        """Exact bytes one rank's contribution takes on the wire for a tensor of ``shape``."""
+
+    def compression_rate(self, shape: torch.Size) -> float:
+        """fp32 bytes over :meth:`payload_bytes`."""
+        numel = shape.numel()
+        return 4 * numel / max(self.payload_bytes(shape), 1)
+
+    def applies_to(self, shape: torch.Size) -> bool:
+        """Whether the scheme can encode a tensor of this shape at all."""
+        return shape.numel() > 0
+
+    def describe(self) -> dict[str, Any]:
+        """The configuration, recorded in state dicts so a mismatched restore is caught."""
+        return {"name": self.name}
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.describe().items() if k != "name")
+        return f"{type(self).__name__}({args})"
+
+    # Horovod's Compressor interface -------------------------------------------------------
+    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        raise TypeError(
+            f"{self!r} cannot run inside Horovod's stateless Compressor interface "
+            "(hvd.DistributedOptimizer's compression=): it needs its own collectives and "
+            "per-tensor state. Use hvd_compress.torch.DistributedOptimizer(optimizer, "
+            "named_parameters=..., compression=...) instead. Only Compression.none and "
+            "Compression.fp16 work with the stock optimizer.")
+
+    def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        return self.compress(tensor)[0]
+
+
+class PackedScheme(Scheme):
+    """A scheme whose payloads cannot be summed as they are (bit-packed codes plus scales).
+
+    Subclasses give ``encode``/``decode`` of a flat chunk; the exchange is the compressed
+    all-reduce of :mod:`hvd_compress.comm.compressed_allreduce`, which splits the tensor into
+    one chunk per rank at bucket boundaries. ``bucket_size`` elements share one scale.
+    """
+
+    bucket_size: int = 512
+
+    @abstractmethod
+    def encode(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """Flat float32 chunk -> flat uint8 payload of :meth:`chunk_bytes` bytes."""
+
+    @abstractmethod
+    def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
+        """Payload of a ``numel``-element chunk -> flat float32 values."""
+
+    @abstractmethod
+    def chunk_bytes(self, numel: int) -> int:
+        """Exact payload size of a ``numel``-element chunk."""
+
+    def payload_bytes(self, shape: torch.Size) -> int:
+        return self.chunk_bytes(shape.numel())
+
+    def exchange(self, x: torch.Tensor, state: Mapping[str, torch.Tensor],
+                 ctx: ExchangeContext) -> Exchange:
+        from hvd_compress.comm.compressed_allreduce import compressed_allreduce
+
+        return compressed_allreduce(self, x, state, ctx)
+
+
+def bucket_view(x: torch.Tensor, bucket_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A flat tensor zero-padded into rows of ``bucket_size``, and each row's true length."""
+    n = x.numel()
+    rows = max((n + bucket_size - 1) // bucket_size, 0)
+    padded = x.new_zeros(rows * bucket_size)
+    padded[:n] = x
+    counts = torch.full((rows,), bucket_size, dtype=x.dtype, device=x.device)
+    if rows and n % bucket_size:
+        counts[-1] = n % bucket_size
+    return padded.view(rows, bucket_size), counts
+

@@ -1,0 +1,78 @@
+"""QSGD: unbiased stochastic quantisation to b bits."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hvd_compress import wire
+from hvd_compress.schemes.base import PackedScheme, bucket_view
+
+
+class QSGD(PackedScheme):
+    """QSGD (Alistarh et al. 2017, "QSGD: Communication-Efficient SGD via Gradient
+    Quantization and Encoding"), bucketed, ``bits`` bits per element.
+
+    For each bucket ``v`` of ``d = bucket_size`` elements, with ``s = 2**(bits-1) - 1``
+    levels, ``l_i = floor(s |v_i| / ||v||_2)`` and ``p_i = s |v_i| / ||v||_2 - l_i``::
+
+        Q(v)_i = ||v||_2 * sign(v_i) * xi_i / s,   xi_i = l_i + 1 with probability p_i, else l_i
+
+    so ``E[Q(v)] = v`` (unbiased) and ``E||Q(v) - v||^2 <= min(d / s^2, sqrt(d) / s) ||v||^2``
+    (the paper's Lemma 3.1). Unbiased, so error feedback is off by default.
+
+    ``norm="max"`` (the default) scales by ``max_i |v_i|`` instead of ``||v||_2``: the same
+    estimator on a finer grid, still unbiased, with variance at most
+    ``d max_i|v_i|^2 / (4 s^2)``, below the 2-norm bound. With ``s = 7`` and ``d = 512`` the
+    2-norm grid puts most elements of a dense bucket at level 0 or 1 and its noise is
+    larger than the gradient; ``norm="l2"`` gives the paper's exact estimator.
+
+    Wire: the signed level ``sign * xi + s`` (in ``0 .. 2s``) as ``bits``-bit codes
+    (:func:`wire.pack_codes`), then one float32 norm (scale) per bucket. Defaults ``bits=4``,
+    ``bucket_size=512``: 32 / (4 + 32/512) = 7.9x smaller than float32.
+    """
+
+    name = "qsgd"
+
+    def __init__(self, bits: int = 4, bucket_size: int = 512, norm: str = "max",
+                 error_feedback: bool = False) -> None:
+        if not 2 <= bits <= 8:
+            raise ValueError(f"qsgd: bits must be 2..8 (one bit is the sign), got {bits}")
+        if bucket_size < 1:
+            raise ValueError(f"qsgd: bucket_size must be positive, got {bucket_size}")
+        if norm not in ("max", "l2"):
+            raise ValueError(f"qsgd: norm must be 'max' or 'l2', got {norm!r}")
+        self.bits = bits
+        self.norm = norm
+        self.levels = 2 ** (bits - 1) - 1
+        self.bucket_size = bucket_size
+        self.error_feedback = error_feedback
+
+    def chunk_bytes(self, numel: int) -> int:
+        buckets = (numel + self.bucket_size - 1) // self.bucket_size
+        return wire.codes_nbytes(numel, self.bits) + 4 * buckets
+
+    def encode(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        s = self.levels
+        rows, _ = bucket_view(x, self.bucket_size)
+        norm = rows.abs().amax(dim=1) if self.norm == "max" else rows.norm(dim=1)
+        scaled = rows.abs().div_(norm.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(1))
+        scaled = scaled.view(-1)[: x.numel()].mul_(s)
+        noise = torch.rand(scaled.shape, generator=generator, device=x.device)
+        level = scaled.add_(noise).floor_().clamp_(0, s).nan_to_num_(0.0)
+        codes = torch.where(x < 0, s - level, s + level)
+        return torch.cat([wire.pack_codes(codes, self.bits), wire.floats_to_bytes(norm)])
+
+    def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
+        code_bytes = wire.codes_nbytes(numel, self.bits)
+        codes, norms = wire.split_sections(
+            payload, [code_bytes, self.chunk_bytes(numel) - code_bytes], "qsgd payload")
+        values = wire.unpack_codes(codes, numel, self.bits).to(torch.float32)
+        scale = wire.bytes_to_floats(norms).div(self.levels)
+        return values.sub_(self.levels).mul_(scale.repeat_interleave(self.bucket_size)[:numel])
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "bits": self.bits, "bucket_size": self.bucket_size,
+                "norm": self.norm,
+                "error_feedback": self.error_feedback}

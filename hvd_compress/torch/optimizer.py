@@ -1,0 +1,243 @@
+"""``DistributedOptimizer``: Horovod's PyTorch optimizer wrapper, with any scheme."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import horovod.torch as hvd
+import torch
+
+from hvd_compress.comm.horovod_torch import HorovodTorchCommunicator
+from hvd_compress.pipeline import Pipeline, StepStats
+from hvd_compress.policy import Policy
+from hvd_compress.schemes.base import Scheme
+from hvd_compress.schemes.dense import NoCompression
+
+STATE_KEY = "hvd_compress"
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    """Methods mixed into the user's optimizer class (see :func:`DistributedOptimizer`)."""
+
+    def __init__(self, params: Any, named_parameters: list[tuple[str, torch.Tensor]] | None,
+                 compression: Scheme, backward_passes_per_step: int, op: int,
+                 gradient_predivide_factor: float, sparse_as_dense: bool, policy: Policy | None,
+                 seed: int, process_set: Any) -> None:
+        super(self.__class__, self).__init__(params)
+        if named_parameters is None:
+            named_parameters = [(f"allreduce.noname.{i}.{j}", p)
+                                for i, group in enumerate(self.param_groups)
+                                for j, p in enumerate(group["params"])]
+        named_parameters = list(named_parameters)
+        if any(not isinstance(item, tuple) for item in named_parameters):
+            raise ValueError("named_parameters should be a sequence of (name, parameter) "
+                             "tuples, usually model.named_parameters()")
+        names = [name for name, _ in named_parameters]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"parameter names must be unique; duplicated: {duplicates}")
+        named_ids = {id(p) for _, p in named_parameters}
+        unnamed = [tuple(p.shape) for group in self.param_groups for p in group["params"]
+                   if id(p) not in named_ids]
+        if unnamed:
+            raise ValueError(f"named_parameters was given but {len(unnamed)} optimised "
+                             f"parameter(s) are not in it (shapes {unnamed})")
+
+        self._parameter_names = {p: name for name, p in sorted(named_parameters,
+                                                                key=lambda item: item[0])}
+        self.backward_passes_per_step = backward_passes_per_step
+        self._delay = {p: backward_passes_per_step for p in self._parameter_names}
+        self.sparse_as_dense = sparse_as_dense
+        self._pipeline = Pipeline(
+            compression, HorovodTorchCommunicator(process_set), policy,
+            average=(op == hvd.Average), prescale=gradient_predivide_factor, seed=seed)
+        self._submitted: set[torch.Tensor] = set()
+        self._requires_update: list[torch.Tensor] = []
+        self._synchronized = False
+        self._should_synchronize = True
+        self._hooks = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    self._requires_update.append(p)
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    # Backward hook: start communication as soon as a gradient is complete ---------------
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if self._delay[p] <= 0:
+            raise AssertionError(
+                "Gradients were computed more than backward_passes_per_step times before "
+                "optimizer.step(). Increase backward_passes_per_step to accumulate "
+                "gradients locally.")
+        self._delay[p] -= 1
+        if self._delay[p] == 0:
+            self._submit(p)
+
+    def _submit(self, p: torch.Tensor) -> None:
+        if p.grad is None:
+            # Another rank may have a gradient for it (dynamic graphs): send zeros.
+            p.grad = torch.zeros_like(p)
+        grad = p.grad
+        if grad.is_sparse and self.sparse_as_dense:
+            grad = grad.to_dense()
+        self._pipeline.submit(self._parameter_names[p], grad)
+        self._submitted.add(p)
+
+    def synchronize(self) -> None:
+        """Finish every gradient's exchange and write the aggregates into ``p.grad``."""
+        for p in self._requires_update:
+            if p not in self._submitted:
+                self._submit(p)
+        try:
+            results = self._pipeline.wait()
+        finally:
+            self._submitted.clear()
+            for p in self._delay:
+                self._delay[p] = self.backward_passes_per_step
+        for p in self._requires_update:
+            aggregate = results[self._parameter_names[p]]
+            if p.grad.is_sparse:
+                p.grad = aggregate.to_sparse()
+            else:
+                p.grad.copy_(aggregate)
+        self._synchronized = True
+
+    @contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """``step()`` inside this context does not synchronise (after an explicit
+        ``synchronize()``, e.g. to clip the aggregated gradients)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure: Any = None) -> Any:
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                              "after optimizer.synchronize(): gradients are exchanged twice",
+                              stacklevel=2)
+            self.synchronize()
+        self._synchronized = False
+        return super(self.__class__, self).step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._pipeline.pending:
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but "
+                                 "before optimizer.step() or optimizer.synchronize(); this "
+                                 "would race with gradients in flight")
+        return super(self.__class__, self).zero_grad(set_to_none)
+
+    # Statistics and state -------------------------------------------------------------------
+    @property
+    def compression_stats(self) -> StepStats:
+        """Bytes of the last completed step on this rank (see :class:`StepStats`)."""
+        return self._pipeline.last_step
+
+    @property
+    def compression_totals(self) -> StepStats:
+        """Bytes summed over all steps so far on this rank."""
+        return self._pipeline.total
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state plus residuals, scheme state and step counters."""
+        state = super(self.__class__, self).state_dict()
+        state[STATE_KEY] = self._pipeline.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        compression_state = state_dict.pop(STATE_KEY, None)
+        super(self.__class__, self).load_state_dict(state_dict)
+        if compression_state is not None:
+            self._pipeline.load_state_dict(compression_state)
+        for p in self._delay:
+            self._delay[p] = self.backward_passes_per_step
+        self._synchronized = False
+
+    @contextmanager
+    def _local_step(self) -> Iterator[None]:
+        """``step()`` applies local gradients without any exchange (used to initialise the
+        wrapped optimizer's state on every rank before a broadcast)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+            self._synchronized = False
+            self._submitted.clear()
+            for p in self._delay:
+                self._delay[p] = self.backward_passes_per_step
+
+
+def DistributedOptimizer(
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+    compression: Scheme | None = None,
+    backward_passes_per_step: int = 1,
+    op: int = hvd.Average,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: Any = None,
+    sparse_as_dense: bool = False,
+    process_set: Any = None,
+    *,
+    policy: Policy | None = None,
+    seed: int = 0,
+) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over all ranks and
+    exchanged with ``compression``.
+
+    The arguments and their meaning are those of ``horovod.torch.DistributedOptimizer``:
+    communication starts from a hook as each gradient is accumulated, ``step()`` (or
+    ``synchronize()``) waits for it, ``backward_passes_per_step`` accumulates locally first,
+    ``op`` is ``hvd.Average`` or ``hvd.Sum``, ``gradient_predivide_factor`` divides before the
+    sum and multiplies after. The returned object is an instance of the wrapped optimizer's
+    class, so schedulers and checkpoints treat it as such; its ``state_dict()`` also holds
+    the compression state (residuals, PowerSGD's ``Q``, step counters).
+
+    Additional keyword arguments:
+        policy: which tensors are compressed (:class:`hvd_compress.Policy`; by default,
+            tensors of at least 1024 elements and two or more dimensions).
+        seed: base seed of the schemes' random streams; the same on every rank.
+
+    Horovod's explicit ``groups``/``num_groups`` are not supported (Horovod's tensor fusion
+    still batches small all-reduces), nor is ``op=hvd.Adasum``: both raise ``ValueError``.
+    """
+    compression = compression if compression is not None else NoCompression()
+    if not isinstance(compression, Scheme):
+        raise TypeError(f"compression must be one of hvd_compress.Compression's schemes, got "
+                        f"{compression!r}")
+    if op not in (hvd.Average, hvd.Sum):
+        raise ValueError("op must be hvd.Average or hvd.Sum; Adasum does not compose with "
+                         "gradient compression")
+    if gradient_predivide_factor != 1.0 and op != hvd.Average:
+        raise ValueError("gradient_predivide_factor is only supported with op=hvd.Average")
+    if backward_passes_per_step <= 0:
+        raise ValueError("backward_passes_per_step must be > 0")
+    if groups is not None or num_groups:
+        raise ValueError("groups/num_groups are not supported by hvd_compress's optimizer; "
+                         "omit them (Horovod's tensor fusion still batches small tensors)")
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
+               dict(_DistributedOptimizer.__dict__))
+    return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step,
+               op, gradient_predivide_factor, sparse_as_dense, policy, seed, process_set)
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
+    """``hvd.broadcast_optimizer_state`` for either optimizer.
+
+    Horovod initialises an empty optimizer state by calling ``step()`` with zero gradients;
+    on this optimizer that step runs locally, without an exchange, so no compression state
+    (residuals, step counters) changes.
+    """
+    local_step = getattr(optimizer, "_local_step", None)
+    if local_step is not None:
+        with local_step():
+            hvd.broadcast_optimizer_state(optimizer, root_rank)
+    else:
+        hvd.broadcast_optimizer_state(optimizer, root_rank)

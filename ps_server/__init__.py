@@ -1,0 +1,1 @@
+"""Parameter server for sparse gradient aggregation."""

@@ -1,0 +1,1 @@
+"""hvd-compress test suite."""

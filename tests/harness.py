@@ -1,0 +1,84 @@
+"""Run a function on several ranks under ``horovodrun --gloo`` or ``mpirun`` and collect
+what each rank returns.
+
+``run_ranks("tests.workers.dense:aggregates", np=2, launcher="mpi")`` starts the ranks with
+``python -m tests.rank_main``, which calls ``hvd.init()``, runs the function with the given
+keyword arguments and saves its return value with ``torch.save``. The harness returns the
+values in rank order, and fails with both ranks' output if a rank fails or the launch does
+not finish within ``timeout`` seconds (the whole process group is killed: a hang becomes a
+test failure, not a stuck CI run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+LAUNCHERS = ("gloo", "mpi")
+
+
+def launch_command(launcher: str, np: int) -> list[str]:
+    """The launcher's command line up to (not including) the program to run."""
+    if launcher == "gloo":
+        return [str(BIN / "horovodrun"), "-np", str(np), "-H", f"localhost:{np}", "--gloo"]
+    if launcher == "mpi":
+        return ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
+                "-np", str(np), "-x", "PYTHONPATH", "-x", "PATH",
+                "--mca", "btl", "self,tcp", "--mca", "btl_tcp_if_include", "lo",
+                "--mca", "oob_tcp_if_include", "lo"]
+    raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")
+
+
+def rank_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["PATH"] = os.pathsep.join([str(BIN), env.get("PATH", "")])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    return env
+
+
+def run_command(cmd: list[str], timeout: float, env: dict[str, str] | None = None
+                ) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` in its own process group; kill the group on timeout."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env or rank_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"{' '.join(cmd)} did not finish within {timeout}s; "
+                             f"output:\n{out[-6000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+def run_ranks(target: str, np: int = 2, launcher: str = "gloo", timeout: float = 300,
+              **kwargs: Any) -> list[Any]:
+    """Run ``module:function(**kwargs)`` on ``np`` ranks; return each rank's result."""
+    with tempfile.TemporaryDirectory(prefix="hvdc-ranks-") as out_dir:
+        cmd = [*launch_command(launcher, np), sys.executable, "-m", "tests.rank_main",
+               out_dir, target, json.dumps(kwargs)]
+        done = run_command(cmd, timeout)
+        if done.returncode != 0:
+            raise AssertionError(f"{target} on {np} ranks ({launcher}) exited with "
+                                 f"{done.returncode}; output:\n{done.stdout[-6000:]}")
+        results = []
+        for rank in range(np):
+            path = Path(out_dir) / f"rank{rank}.pt"
+            if not path.exists():
+                raise AssertionError(f"rank {rank} of {target} wrote no result; output:\n"
+                                     f"{done.stdout[-6000:]}")
+            results.append(torch.load(path, weights_only=False))
+        return results

@@ -1,0 +1,1 @@
+"""Functions that run on every rank of a multi-process test (see tests/harness.py)."""
