@@ -1,0 +1,135 @@
+"""Each scheme's math, in one process: exact decodes, unbiasedness, variance bounds."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hvd_compress import Compression, Policy
+from hvd_compress.schemes.base import ExchangeContext, PackedScheme
+from tests.threaded import make_pipelines, on_threads
+
+PACKED = [Compression.onebit(bucket_size=64), Compression.qsgd(bits=3, bucket_size=50),
+          Compression.qsgd(bits=8), Compression.terngrad(bucket_size=30), Compression.bf16]
+
+
+def draws(scheme: PackedScheme, x: torch.Tensor, count: int) -> torch.Tensor:
+    """``count`` independent encode/decode round trips of ``x``."""
+    out = []
+    for i in range(count):
+        gen = ExchangeContext("t", 0, 1, i).generator("test", x.device)
+        out.append(scheme.decode(scheme.encode(x, gen), x.numel()))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("scheme", PACKED, ids=repr)
+@pytest.mark.parametrize("n", [1, 7, 63, 64, 65, 1000])
+def test_payload_size_is_exact_and_decode_keeps_length(scheme: PackedScheme, n: int) -> None:
+    x = torch.randn(n)
+    payload = scheme.encode(x, torch.Generator().manual_seed(0))
+    assert payload.dtype == torch.uint8 and payload.numel() == scheme.chunk_bytes(n)
+    assert scheme.decode(payload, n).shape == (n,)
+
+
+def test_onebit_decodes_to_signs_times_bucket_mean_magnitude() -> None:
+    scheme = Compression.onebit(bucket_size=8)
+    x = torch.randn(21)
+    decoded = scheme.decode(scheme.encode(x, torch.Generator()), 21)
+    for start in range(0, 21, 8):
+        bucket = x[start:start + 8]
+        expected = torch.where(bucket >= 0, 1.0, -1.0) * bucket.abs().mean()
+        torch.testing.assert_close(decoded[start:start + 8], expected)
+    assert Compression.onebit().compression_rate(torch.Size([4096, 4096])) > 31
+
+
+@pytest.mark.parametrize("scheme", [Compression.qsgd(bits=4, bucket_size=16),
+                                    Compression.qsgd(bits=2, bucket_size=16, norm="l2"),
+                                    Compression.terngrad(bucket_size=16)], ids=repr)
+def test_stochastic_schemes_are_unbiased(scheme: PackedScheme) -> None:
+    x = torch.randn(64) * torch.linspace(0.1, 3, 64)
+    count = 4000
+    samples = draws(scheme, x, count)
+    mean, std = samples.mean(0), samples.std(0)
+    # Each element's mean is within 5 standard errors of the input (a 1-in-1.7M event
+    # per element for a Gaussian mean; the decode distributions here are bounded).
+    bound = 5 * std / math.sqrt(count) + 1e-5 * x.abs()  # + float rounding of the mean
+    assert ((mean - x).abs() <= bound).all(), float(((mean - x).abs() - bound).max())
+    assert samples.var(0).sum() > 0  # really stochastic
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("norm", ["l2", "max"])
+def test_qsgd_variance_within_the_papers_bound(bits: int, norm: str) -> None:
+    d = 128
+    scheme = Compression.qsgd(bits=bits, bucket_size=d, norm=norm)
+    s = scheme.levels
+    x = torch.randn(d)
+    samples = draws(scheme, x, 1000)
+    variance = (samples - x).square().sum(1).mean()
+    bound = min(d / s**2, math.sqrt(d) / s) * x.square().sum()
+    assert variance <= bound, (float(variance), float(bound))
+
+
+def test_terngrad_clip_bounds_the_scale() -> None:
+    scheme = Compression.terngrad(bucket_size=100, clip=2.5, error_feedback=True)
+    x = torch.randn(100)
+    x[7] = 50.0  # an outlier the clip removes
+    decoded = scheme.decode(scheme.encode(x, torch.Generator().manual_seed(1)), 100)
+    assert decoded.abs().max() < 50 * 0.5
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_powersgd_recovers_a_low_rank_matrix_exactly(size: int) -> None:
+    rank = 3
+    u = torch.randn(40, rank)
+    matrices = [u @ torch.randn(rank, 30) for _ in range(size)]  # shared column space
+    pipes = make_pipelines(Compression.powersgd(rank=rank, start_iter=0), size)
+    out = on_threads(size, lambda r: pipes[r].reduce({"m": matrices[r]})["m"])
+    torch.testing.assert_close(out[0], sum(matrices), rtol=1e-4, atol=1e-4)
+
+
+def test_powersgd_policy_and_warm_start() -> None:
+    scheme = Compression.powersgd(rank=4, start_iter=0)
+    policy = Policy(min_numel=1)
+    assert policy.compresses(scheme, torch.Size([256, 256]))  # rate 32
+    assert not policy.compresses(scheme, torch.Size([8, 8]))  # rate 1: dense
+    assert not policy.compresses(scheme, torch.Size([4096]))  # 1-D: dense
+    pipes = make_pipelines(scheme, 1)
+    pipes[0].reduce({"m": torch.randn(64, 32)})
+    q = pipes[0].scheme_state("m")["q"]
+    assert q.shape == (32, 4)
+    pipes[0].reduce({"m": torch.randn(64, 32)})
+    assert not torch.equal(pipes[0].scheme_state("m")["q"], q)  # updated, carried over
+
+
+@pytest.mark.parametrize("spec", ["onebit:bucket_size=32", "powersgd:rank=1,start_iter=2",
+                                  "qsgd:bits=2,bucket_size=32,error_feedback=True",
+                                  "terngrad:bucket_size=32,clip=2.5,error_feedback=True"])
+def test_error_feedback_loses_nothing(spec: str) -> None:
+    """Over T steps on 2 ranks: sum of aggregates + every residual == sum of gradients."""
+    size, steps = 2, 8
+    pipes = make_pipelines(Compression.parse(spec), size)
+    grads = [[torch.randn(24, 20) for _ in range(steps)] for _ in range(size)]
+    applied = torch.zeros(24, 20)
+    for t in range(steps):
+        out = on_threads(size, lambda r, t=t: pipes[r].reduce({"w": grads[r][t]})["w"])
+        applied += out[0]
+    kept = sum(p.feedback.get("w") for p in pipes)
+    chunks = [p.scheme_state("w").get("chunk_residual") for p in pipes]
+    if chunks[0] is not None:
+        kept = kept + torch.cat(chunks).view(24, 20)
+    expected = sum(g for rank in grads for g in rank)
+    torch.testing.assert_close(applied + kept, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_parse_rejects_unknown_names_and_options() -> None:
+    assert Compression.parse("qsgd:bits=8,bucket_size=256").bits == 8
+    assert Compression.parse("fp16") is Compression.fp16
+    with pytest.raises(ValueError, match="unknown compression scheme 'zip'"):
+        Compression.parse("zip")
+    with pytest.raises(ValueError, match="takes no options"):
+        Compression.parse("fp16:bits=3")
+    with pytest.raises(TypeError):
+        Compression.parse("onebit:levels=3")
