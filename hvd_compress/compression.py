@@ -6,10 +6,13 @@ import ast
 
 from hvd_compress.schemes.base import Scheme
 from hvd_compress.schemes.dense import BF16, FP16, NoCompression
+from hvd_compress.schemes.dgc import DGC
 from hvd_compress.schemes.onebit import OneBit
 from hvd_compress.schemes.powersgd import PowerSGD
 from hvd_compress.schemes.qsgd import QSGD
+from hvd_compress.schemes.randomk import RandomK
 from hvd_compress.schemes.terngrad import TernGrad
+from hvd_compress.schemes.topk import TopK
 
 
 class Compression:
@@ -23,6 +26,9 @@ class Compression:
         Compression.qsgd(bits=4, bucket_size=512, norm='max', error_feedback=False)
         Compression.terngrad(bucket_size=512, clip=None, error_feedback=False)
         Compression.powersgd(rank=4, start_iter=10, min_compression_rate=2, warm_start=True)
+        Compression.topk(ratio=0.001)
+        Compression.randomk(ratio=0.01)
+        Compression.dgc(ratio=0.001, momentum=0.9, clip_norm=None, warmup_steps=0)
     """
 
     none = NoCompression()
@@ -32,16 +38,20 @@ class Compression:
     qsgd = QSGD
     terngrad = TernGrad
     powersgd = PowerSGD
+    topk = TopK
+    randomk = RandomK
+    dgc = DGC
 
     @classmethod
     def parse(cls, spec: str) -> Scheme:
         """A scheme from a command-line string: ``"fp16"``, ``"onebit"``,
         ``"qsgd:bits=8,bucket_size=256"``, ``"powersgd:rank=2,start_iter=0"``."""
         name, _, arg_text = spec.partition(":")
-        factory = getattr(cls, name.strip(), None)
-        if name.startswith("_") or name == "parse" or factory is None:
+        name = name.strip()
+        if name not in SCHEME_NAMES:
             raise ValueError(f"unknown compression scheme {name!r}; choose from "
                              f"{', '.join(SCHEME_NAMES)}")
+        factory = getattr(cls, name)
         kwargs = {}
         for item in filter(None, (part.strip() for part in arg_text.split(","))):
             key, eq, value = item.partition("=")
@@ -58,4 +68,5 @@ class Compression:
         return factory(**kwargs)
 
 
-SCHEME_NAMES = ("none", "fp16", "bf16", "onebit", "qsgd", "terngrad", "powersgd")
+SCHEME_NAMES = ("none", "fp16", "bf16", "onebit", "qsgd", "terngrad", "powersgd", "topk",
+                "randomk", "dgc")

@@ -217,7 +217,7 @@ class Pipeline:
             results[name] = aggregate.to(flight.grad.dtype)
             stats.payload_bytes += outcome.payload_bytes
             stats.dense_bytes += 4 * flight.grad.numel()
-            if scheme is _DENSE:
+            if isinstance(scheme, NoCompression):
                 stats.dense_tensors += 1
             else:
                 stats.compressed_tensors += 1

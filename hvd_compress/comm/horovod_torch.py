@@ -8,7 +8,7 @@ import horovod.torch as hvd
 import torch
 
 from hvd_compress.comm.base import split_gathered
-from hvd_compress.comm.ops import AllGather, AllReduce, AllToAll, Collective
+from hvd_compress.comm.ops import AllGather, AllReduce, AllToAll, Collective, SparseSum, sum_pairs
 
 
 class HorovodTorchCommunicator:
@@ -29,6 +29,12 @@ class HorovodTorchCommunicator:
             handle = hvd.allreduce_async(op.tensor, name=name, op=hvd.Sum, process_set=ps)
         elif isinstance(op, AllGather):
             handle = hvd.allgather_async(op.tensor, name=name, process_set=ps)
+        elif isinstance(op, SparseSum):
+            # One (index, float32 bits) row per pair: rows from all ranks concatenate
+            # along dim 0 whatever each rank's count, and all that is needed is their sum.
+            pairs = torch.stack([op.indices.to(torch.int32),
+                                 op.values.to(torch.float32).view(torch.int32)], dim=1)
+            handle = hvd.allgather_async(pairs, name=name, process_set=ps)
         elif isinstance(op, AllToAll):
             splits = torch.tensor(op.splits, dtype=torch.int32)
             handle = hvd.alltoall_async(op.tensor, splits=splits, name=name, process_set=ps)
@@ -43,5 +49,7 @@ class HorovodTorchCommunicator:
             return result
         if isinstance(op, AllGather):
             return split_gathered(result, op.sizes)
+        if isinstance(op, SparseSum):
+            return sum_pairs(op.numel, result[:, 0], result[:, 1].contiguous().view(torch.float32))
         output, received = result
         return list(torch.split(output, received.tolist()))

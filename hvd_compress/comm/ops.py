@@ -48,9 +48,32 @@ class AllToAll:
     splits: tuple[int, ...]
 
 
-Collective = AllReduce | AllGather | AllToAll
+@dataclass(frozen=True)
+class SparseSum:
+    """Sum over ranks of sparse vectors of length ``numel`` given as (index, value) pairs,
+    each rank with its own indices. Result: the dense sum, a flat float32 tensor.
+
+    A ring cannot sum these; the communicator gathers every rank's pairs (Horovod
+    ``allgather``) or sends them to a parameter server.
+    """
+
+    round: str
+    numel: int
+    indices: torch.Tensor
+    values: torch.Tensor
+
+
+Collective = AllReduce | AllGather | AllToAll | SparseSum
 
 
 def nbytes(op: Collective) -> int:
-    """Bytes this rank hands to the collective."""
+    """Bytes this rank hands to the collective (int32 index + float32 value per pair)."""
+    if isinstance(op, SparseSum):
+        return 8 * op.indices.numel()
     return op.tensor.numel() * op.tensor.element_size()
+
+
+def sum_pairs(numel: int, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """The dense float32 sum of (index, value) pairs; repeated indices add up."""
+    total = torch.zeros(numel, dtype=torch.float32, device=values.device)
+    return total.index_add_(0, indices.to(torch.long), values.to(torch.float32))

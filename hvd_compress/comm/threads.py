@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hvd_compress.comm.ops import AllGather, AllReduce, AllToAll, Collective
+from hvd_compress.comm.ops import AllGather, AllReduce, AllToAll, Collective, SparseSum, sum_pairs
 
 
 @dataclass
@@ -98,8 +98,13 @@ def _combine(requests: list[Collective]) -> dict[int, torch.Tensor | list[torch.
         pieces = [op.tensor.reshape(-1) for op in requests]
         sizes = first.sizes
         if sizes is None:
-            return {r: [torch.cat(pieces)] for r in range(size)}
+            return {r: [torch.cat(pieces)] for r in range(size)}  # a new tensor per rank
         return {r: [p.clone() for p in pieces] for r in range(size)}
+    if isinstance(first, SparseSum):
+        indices = torch.cat([op.indices.reshape(-1) for op in requests])
+        values = torch.cat([op.values.reshape(-1) for op in requests])
+        total = sum_pairs(first.numel, indices, values)
+        return {r: total.clone() for r in range(size)}
     assert isinstance(first, AllToAll)
     sent = [torch.split(op.tensor.reshape(-1), list(op.splits)) for op in requests]
     return {r: [sent[src][r].clone() for src in range(size)] for r in range(size)}

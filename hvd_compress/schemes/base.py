@@ -95,7 +95,12 @@ class Scheme(ABC):
 
     @abstractmethod
     def payload_bytes(self, shape: torch.Size) -> int:
-        """Exact bytes one rank's contribution takes on the wire for a tensor of ``shape``."""
+        """Bytes one rank's contribution takes on the wire for a tensor of ``shape``.
+
+        Exact for one rank; the compressed all-reduce encodes one chunk per rank, each
+        padded to whole bytes, so with ``n`` ranks it may be up to ``n - 1`` bytes more
+        (the exact count is in each step's :class:`~hvd_compress.pipeline.StepStats`).
+        """
 
     def compression_rate(self, shape: torch.Size) -> float:
         """fp32 bytes over :meth:`payload_bytes`."""

@@ -1,0 +1,110 @@
+"""Deep Gradient Compression: top-k with momentum correction."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from hvd_compress.comm.ops import SparseSum
+from hvd_compress.schemes.base import Exchange, ExchangeContext, Outcome, Scheme
+from hvd_compress.schemes.topk import check_ratio, sparse_count
+
+MOMENTUM = "momentum"
+VELOCITY = "velocity"
+
+
+class DGC(Scheme):
+    """Deep Gradient Compression (Lin et al. 2018, "Deep Gradient Compression: Reducing the
+    Communication Bandwidth for Distributed Training").
+
+    Per tensor, with local gradient ``g``, momentum ``m``, kept state ``u`` (momentum) and
+    ``v`` (accumulated velocity)::
+
+        g <- g * min(1, clip_norm / (sqrt(N) ||g||))      local gradient clipping (N ranks)
+        u <- m u + g                                      momentum correction
+        v <- v + u
+        send v on mask = {|v_i| >= threshold}              about k = density * n entries
+        v[mask] <- 0;  u[mask] <- 0                        momentum factor masking
+
+    The aggregate already carries momentum: use the wrapped optimizer **without** momentum
+    (``torch.optim.SGD(..., momentum=0)``). The threshold is estimated from a random sample
+    of ``sample_ratio * n`` magnitudes (at least 1000) instead of sorting all of them, aimed
+    at ``1.5 k`` candidates; of those the exact top-``k`` is kept.
+    Sparsity warm-up: over the first ``warmup_steps`` exchanges the density falls
+    geometrically in four equal stages from 25% to ``ratio``; for ``ratio=0.001`` that is
+    25%, 6.3%, 1.6%, 0.4%, then 0.1%, within 2% of the paper's 75%, 93.75%, 98.4375%,
+    99.6%, 99.9% sparsity.
+    """
+
+    name = "dgc"
+    error_feedback = False  # the velocity ``v`` is DGC's own residual
+
+    def __init__(self, ratio: float = 0.001, momentum: float = 0.9,
+                 clip_norm: float | None = None, warmup_steps: int = 0,
+                 sample_ratio: float = 0.01) -> None:
+        check_ratio(self.name, ratio)
+        if not 0 <= momentum < 1:
+            raise ValueError(f"dgc: momentum must be in [0, 1), got {momentum}")
+        if clip_norm is not None and clip_norm <= 0:
+            raise ValueError(f"dgc: clip_norm must be positive, got {clip_norm}")
+        if warmup_steps < 0 or not 0 < sample_ratio <= 1:
+            raise ValueError("dgc: warmup_steps must be >= 0 and sample_ratio in (0, 1]")
+        self.ratio = ratio
+        self.momentum = momentum
+        self.clip_norm = clip_norm
+        self.warmup_steps = warmup_steps
+        self.sample_ratio = sample_ratio
+
+    def density(self, step: int) -> float:
+        """The fraction of entries sent at this step (sparsity warm-up)."""
+        if step >= self.warmup_steps or self.ratio >= 0.25:
+            return self.ratio
+        stage = step * 4 // self.warmup_steps
+        return 0.25 * (self.ratio / 0.25) ** (stage / 4)
+
+    def payload_bytes(self, shape: torch.Size) -> int:
+        return 8 * sparse_count(self.ratio, shape.numel())
+
+    def exchange(self, x: torch.Tensor, state: Mapping[str, torch.Tensor],
+                 ctx: ExchangeContext) -> Exchange:
+        g = x.reshape(-1)
+        if self.clip_norm is not None:
+            bound = self.clip_norm / math.sqrt(ctx.size)
+            g = g * (bound / (g.norm() + 1e-12)).clamp(max=1.0)
+        u = state.get(MOMENTUM)
+        u = g.clone() if u is None else self.momentum * u + g
+        v = state.get(VELOCITY)
+        v = u.clone() if v is None else v + u
+
+        k = sparse_count(self.density(ctx.step), v.numel())
+        indices = self._select(v, k, ctx)
+        values = v[indices]
+        total = yield SparseSum("sparse", v.numel(), indices, values)
+        v = v.index_fill(0, indices, 0.0)
+        u = u.index_fill(0, indices, 0.0)
+        return Outcome(total.view_as(x), None, 8 * indices.numel(), {MOMENTUM: u, VELOCITY: v})
+
+    def _select(self, v: torch.Tensor, k: int, ctx: ExchangeContext) -> torch.Tensor:
+        n = v.numel()
+        magnitude = v.abs()
+        samples = min(n, max(1000, math.ceil(self.sample_ratio * n)))
+        if samples >= n:
+            return magnitude.topk(k, sorted=False).indices
+        gen = ctx.generator("threshold-sample", torch.device("cpu"))
+        sample = magnitude[torch.randint(n, (samples,), generator=gen).to(v.device)]
+        # Aim 1.5x high, then keep the exact top-k of the (few) selected entries: the
+        # estimate's noise then costs a slightly larger candidate set, not recall.
+        k_sample = max(1, math.ceil(1.5 * k * samples / n))
+        threshold = sample.topk(k_sample, sorted=False).values.min()
+        selected = (magnitude >= threshold).nonzero().view(-1)
+        if selected.numel() > k:
+            selected = selected[magnitude[selected].topk(k, sorted=False).indices]
+        return selected
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "ratio": self.ratio, "momentum": self.momentum,
+                "clip_norm": self.clip_norm, "warmup_steps": self.warmup_steps,
+                "sample_ratio": self.sample_ratio}

@@ -1,0 +1,74 @@
+"""Sparse schemes on in-process ranks: exact sums of differing supports, shared random
+indices, DGC's momentum correction and masking."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hvd_compress import Compression
+from hvd_compress.schemes.dgc import MOMENTUM, VELOCITY
+from hvd_compress.schemes.topk import sparse_count
+from tests.threaded import make_pipelines, on_threads
+
+
+def test_topk_aggregate_is_the_sum_of_each_ranks_top_entries() -> None:
+    scheme = Compression.topk(ratio=0.05)
+    pipes = make_pipelines(scheme, 3)
+    xs = [torch.randn(20, 10) for _ in range(3)]
+    out = on_threads(3, lambda r: pipes[r].reduce({"w": xs[r]})["w"])
+    expected = torch.zeros(200)
+    for x in xs:
+        flat = x.reshape(-1)
+        top = flat.abs().topk(10).indices  # k = ceil(0.05 * 200)
+        expected[top] += flat[top]
+    torch.testing.assert_close(out[0].reshape(-1), expected)
+    # What was not sent stays in each rank's residual.
+    for x, p in zip(xs, pipes):
+        assert int((p.feedback.get("w") != 0).sum()) == 200 - 10
+        torch.testing.assert_close(p.feedback.get("w") + (x - p.feedback.get("w")), x)
+    assert pipes[0].last_step.payload_bytes == 8 * 10
+
+
+def test_randomk_ranks_draw_the_same_indices_and_all_reduce_values() -> None:
+    pipes = make_pipelines(Compression.randomk(ratio=0.1), 2)
+    xs = [torch.randn(100), torch.randn(100)]
+    out = on_threads(2, lambda r: pipes[r].reduce({"b": xs[r]})["b"])
+    support = out[0] != 0
+    assert int(support.sum()) == 10
+    torch.testing.assert_close(out[0][support], (xs[0] + xs[1])[support])
+    assert set(pipes[0].last_step.collective_bytes) == {"values"}
+    second = on_threads(2, lambda r: pipes[r].reduce({"b": xs[r]})["b"])
+    assert not torch.equal(second[0] != 0, support)  # fresh indices every step
+
+
+def test_dgc_momentum_correction_and_factor_masking() -> None:
+    scheme = Compression.dgc(ratio=0.1, momentum=0.5)
+    pipe = make_pipelines(scheme, 1)[0]
+    g = torch.arange(1.0, 21.0)  # k = 2: entries 19 and 20 are sent first
+    first = pipe.reduce({"w": g})["w"]
+    assert torch.equal(first.nonzero().view(-1), torch.tensor([18, 19]))
+    state = pipe.scheme_state("w")
+    assert state[MOMENTUM][18] == 0 and state[VELOCITY][19] == 0  # masked after sending
+    second = pipe.reduce({"w": g})["w"]
+    # u = 0.5 u + g; v = v + u: entry 17 (value 18) has v = 18 + (9 + 18) = 45.
+    assert second[17] == 45.0
+
+
+def test_dgc_warmup_density_schedule_matches_the_paper() -> None:
+    scheme = Compression.dgc(ratio=0.001, warmup_steps=400)
+    densities = [scheme.density(step) for step in (0, 100, 200, 300, 400)]
+    # The paper: 75%, 93.75%, 98.4375%, 99.6%, then 99.9% sparsity.
+    assert densities == pytest.approx([0.25, 0.0625, 0.015625, 0.004, 0.001], rel=0.02)
+
+
+def test_dgc_sampled_threshold_finds_most_of_the_true_top_k() -> None:
+    scheme = Compression.dgc(ratio=0.01, sample_ratio=0.01)
+    pipe = make_pipelines(scheme, 1)[0]
+    g = torch.randn(200_000, generator=torch.Generator().manual_seed(3))
+    out = pipe.reduce({"w": g})["w"]
+    sent = set(out.nonzero().view(-1).tolist())
+    k = sparse_count(0.01, g.numel())
+    true_top = set(g.abs().topk(k).indices.tolist())
+    assert len(sent) <= k
+    assert len(sent & true_top) >= 0.95 * k
