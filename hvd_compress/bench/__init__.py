@@ -1,0 +1,20 @@
+"""Benchmarks: ``python -m hvd_compress.bench wire`` measures the bytes each scheme puts on
+the wire per step; ``python -m hvd_compress.bench kernels`` times encoding and decoding
+against a memory copy. Both print a table, report PASS/FAIL against their targets (never
+failing the process) and can write their rows as JSON (``--json FILE``).
+"""
+
+from __future__ import annotations
+
+SCHEMES = (
+    "none",
+    "fp16",
+    "bf16",
+    "onebit",
+    "qsgd:bits=4",
+    "qsgd:bits=8",
+    "terngrad",
+    "powersgd:rank=4,start_iter=0",
+    "powersgd:rank=1,start_iter=0",
+)
+"""The schemes benchmarked, as :meth:`hvd_compress.Compression.parse` spec strings."""

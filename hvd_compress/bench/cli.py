@@ -1,0 +1,75 @@
+"""Command line: ``python -m hvd_compress.bench {wire,kernels} [options]``."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+from hvd_compress import bench
+from hvd_compress.bench import kernels, wire_bytes
+from hvd_compress.bench.report import publish
+
+T = TypeVar("T")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _comma_list(parse_item: Callable[[str], T]) -> Callable[[str], list[T]]:
+    """An argparse type: a comma-separated list, each item checked by ``parse_item``."""
+
+    def parse(text: str) -> list[T]:
+        try:
+            return [parse_item(item) for item in text.split(",")]
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from err
+
+    return parse
+
+
+def _layer_set(name: str) -> str:
+    if name not in wire_bytes.LAYER_SETS:
+        raise ValueError(f"unknown layer set {name!r}; choose from "
+                         f"{', '.join(wire_bytes.LAYER_SETS)}")
+    return name
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m hvd_compress.bench",
+                                     description=bench.__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    wire = commands.add_parser("wire", help="bytes per step and ratio to float32, measured")
+    wire.add_argument("--json", type=Path, help="write the rows to this file")
+    wire.add_argument("--ranks", type=_positive_int, default=2,
+                      help="in-process ranks exchanging (default 2)")
+    wire.add_argument("--layers", type=_comma_list(_layer_set), default=["matrix", "resnet"],
+                      help="layer sets, comma-separated, from "
+                           f"{', '.join(wire_bytes.LAYER_SETS)} (default matrix,resnet)")
+
+    kern = commands.add_parser("kernels", help="encode+decode throughput against a copy")
+    kern.add_argument("--json", type=Path, help="write the rows to this file")
+    kern.add_argument("--sizes", type=_comma_list(kernels.parse_count),
+                      default=[4 << 20, 64 << 20],
+                      help="float32 element counts, comma-separated (default 4M,64M)")
+    kern.add_argument("--repeat", type=_positive_int, default=5,
+                      help="timings per scheme and size; the median is reported (default 5)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "wire":
+        rows = wire_bytes.run(args.layers, args.ranks)
+        publish(wire_bytes.title(args.ranks), rows, wire_bytes.COLUMNS, wire_bytes.TARGETS,
+                args.json)
+    else:
+        rows = kernels.run(args.sizes, args.repeat)
+        publish(kernels.title(args.repeat), rows, kernels.COLUMNS, kernels.TARGETS, args.json)
+    return 0

@@ -1,0 +1,160 @@
+"""The benchmarks (``python -m hvd_compress.bench``), run in-process on small inputs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hvd_compress import Compression
+from hvd_compress.bench import SCHEMES
+from hvd_compress.bench.cli import main
+from hvd_compress.bench.kernels import KERNEL_SCHEMES, make_kernel, parse_count
+from hvd_compress.bench.wire_bytes import LAYER_SETS
+
+MATRIX = torch.Size((4096, 4096))
+TINY_DENSE_NUMEL = 16 + 16 + 64 + 100  # bn.weight, bn.bias, embed.weight (small), fc.bias
+TINY_COMPRESSED_NUMEL = 16 * 8 * 3 * 3 + 1024 * 2 + 100 * 64
+
+
+def run_bench(tmp_path: Path, *argv: str) -> list[dict[str, Any]]:
+    out = tmp_path / "rows.json"
+    assert main([*argv, "--json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def wire_rows(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], dict]:
+    rows = run_bench(tmp_path_factory.mktemp("wire"), "wire", "--layers", "matrix,tiny")
+    assert [(r["layers"], r["scheme"]) for r in rows] == [
+        (layers, spec) for layers in ("matrix", "tiny") for spec in SCHEMES]
+    return {(r["layers"], r["scheme"]): r for r in rows}
+
+
+def test_scheme_names_are_parseable_specs() -> None:
+    assert Compression.parse("qsgd:bits=4").bits == 4
+    assert Compression.parse("powersgd:rank=1,start_iter=0").rank == 1
+    assert [Compression.parse(spec).name for spec in SCHEMES] == [
+        spec.partition(":")[0] for spec in SCHEMES]
+
+
+@pytest.mark.parametrize("spec", SCHEMES)
+def test_matrix_bytes_are_payload_bytes(wire_rows: dict, spec: str) -> None:
+    row = wire_rows["matrix", spec]
+    assert row["bytes"] == row["predicted_bytes"] == Compression.parse(spec).payload_bytes(MATRIX)
+    assert row["dense_bytes"] == 4 * MATRIX.numel()
+    assert row["ratio"] == row["dense_bytes"] / row["bytes"]
+    compressed = spec != "none"
+    assert (row["compressed_tensors"], row["dense_tensors"]) == (compressed, not compressed)
+
+
+def test_matrix_ratios_meet_targets(wire_rows: dict) -> None:
+    assert wire_rows["matrix", "onebit"]["ratio"] > 31
+    assert wire_rows["matrix", "qsgd:bits=4"]["ratio"] >= 7.5
+    assert wire_rows["matrix", "powersgd:rank=4,start_iter=0"]["ratio"] == 512
+    assert wire_rows["matrix", "fp16"]["ratio"] == 2
+    checked = [r for r in wire_rows.values() if "target" in r]
+    assert {r["scheme"] for r in checked} == {"onebit", "qsgd:bits=4", "fp16",
+                                              "powersgd:rank=4,start_iter=0"}
+    assert all(r["layers"] == "matrix" and r["target_met"] for r in checked)
+
+
+def test_matrix_collective_rounds(wire_rows: dict) -> None:
+    onebit = wire_rows["matrix", "onebit"]
+    # Each rank encodes every chunk for the scatter, then gathers its own (half) re-encoded.
+    assert onebit["collective_bytes"] == {"scatter": onebit["bytes"],
+                                          "gather": onebit["bytes"] // 2}
+    assert wire_rows["matrix", "powersgd:rank=4,start_iter=0"]["collective_bytes"] == {
+        "P": 4 * 4096 * 4, "Q": 4 * 4096 * 4}
+    assert wire_rows["matrix", "none"]["collective_bytes"] == {"dense": 4 * MATRIX.numel()}
+
+
+@pytest.mark.parametrize("spec", SCHEMES)
+def test_tiny_policy_sends_vectors_and_small_tensors_dense(wire_rows: dict, spec: str) -> None:
+    row = wire_rows["tiny", spec]
+    if spec == "none":  # everything is dense
+        assert (row["compressed_tensors"], row["dense_tensors"]) == (0, 7)
+        assert row["collective_bytes"] == {"dense": row["dense_bytes"]}
+        return
+    powersgd = spec.startswith("powersgd")
+    # PowerSGD also leaves proj.weight dense: rank 2 of a 1024x2 matrix saves nothing.
+    assert row["dense_tensors"] == 4 + powersgd
+    assert row["compressed_tensors"] == 3 - powersgd
+    dense_round = 4 * (TINY_DENSE_NUMEL + powersgd * 1024 * 2)
+    assert row["collective_bytes"]["dense"] == dense_round
+    assert row["dense_bytes"] == 4 * (TINY_DENSE_NUMEL + TINY_COMPRESSED_NUMEL)
+
+
+def test_tiny_fp16_bytes(wire_rows: dict) -> None:
+    assert wire_rows["tiny", "fp16"]["bytes"] == 2 * TINY_COMPRESSED_NUMEL + 4 * TINY_DENSE_NUMEL
+
+
+@pytest.mark.parametrize("spec", SCHEMES)
+def test_tiny_bytes_match_prediction(wire_rows: dict, spec: str) -> None:
+    """payload_bytes() is exact for one chunk; with 2 ranks each compressed tensor is two
+    chunks, each padded to whole bytes, so at most one byte more per compressed tensor."""
+    row = wire_rows["tiny", spec]
+    assert 0 <= row["bytes"] - row["predicted_bytes"] <= row["compressed_tensors"]
+
+
+def test_resnet_layer_set_is_resnet18() -> None:
+    shapes = LAYER_SETS["resnet"]
+    assert sum(torch.Size(s).numel() for s in shapes.values()) == 11_689_512  # torchvision's
+    assert sum(len(s) == 1 for s in shapes.values()) == 41  # 20 batchnorms and the fc bias
+
+
+def test_kernels_rows(tmp_path: Path) -> None:
+    rows = run_bench(tmp_path, "kernels", "--sizes", "64K,1000", "--repeat", "2")
+    assert [(r["numel"], r["scheme"]) for r in rows] == [
+        (n, spec) for n in (65536, 1000) for spec in KERNEL_SCHEMES]
+    for row in rows:
+        assert row["bytes_per_second"] == pytest.approx(4 * row["numel"] / row["seconds"])
+        assert row["copy_bytes_per_second"] == pytest.approx(
+            4 * row["numel"] / row["copy_seconds"])
+        assert row["ratio_to_copy"] == pytest.approx(
+            row["bytes_per_second"] / row["copy_bytes_per_second"])
+        assert row["torch_threads"] == torch.get_num_threads()
+        assert "target" not in row  # the targets are for 64M elements
+    shapes = {(r["numel"], r["scheme"]): r["shape"] for r in rows}
+    assert shapes[65536, "powersgd:rank=4,start_iter=0"] == [256, 256]
+    assert shapes[1000, "powersgd:rank=1,start_iter=0"] == [25, 40]
+    assert shapes[1000, "onebit"] == [1000]
+
+
+@pytest.mark.parametrize(("spec", "max_error"), [
+    ("fp16", 2**-11), ("bf16", 2**-8), ("onebit", 0.65),  # sqrt(1 - 2/pi) for a Gaussian
+    ("qsgd:bits=4", 0.25), ("qsgd:bits=8", 0.02), ("terngrad", 1.35)])
+def test_codec_kernels_round_trip(spec: str, max_error: float) -> None:
+    x = torch.randn(1 << 16, generator=torch.Generator().manual_seed(0))
+    out = make_kernel(spec, x).run()
+    assert out.shape == x.shape
+    assert (out - x).norm() / x.norm() < max_error
+    assert bool((out * x >= 0).all())  # no codec flips a sign
+    assert out.abs().max() <= x.abs().max()
+
+
+@pytest.mark.parametrize("spec", ["powersgd:rank=4,start_iter=0", "powersgd:rank=1,start_iter=0"])
+def test_powersgd_kernel_is_a_whole_step(spec: str) -> None:
+    # A rank-1 matrix comes back exactly from one step: P, its QR, Q and the product all ran.
+    gen = torch.Generator().manual_seed(0)
+    x = torch.outer(torch.randn(256, generator=gen), torch.randn(256, generator=gen)).view(-1)
+    torch.testing.assert_close(make_kernel(spec, x).run(), x, rtol=1e-4, atol=1e-4)
+
+
+def test_parse_count() -> None:
+    assert [parse_count(t) for t in ("64K", "4M", "64m", "1000")] == [
+        1 << 16, 1 << 22, 1 << 26, 1000]
+    for bad in ("0", "4X", "K", ""):
+        with pytest.raises(ValueError):
+            parse_count(bad)
+
+
+@pytest.mark.parametrize("argv", [["wire", "--layers", "vgg"], ["wire", "--ranks", "0"],
+                                  ["kernels", "--sizes", "4Q"], ["kernels", "--repeat", "0"]])
+def test_cli_rejects_bad_options(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
