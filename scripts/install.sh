@@ -17,7 +17,7 @@ log() { printf '[install] %s\n' "$*"; }
 
 # 1. System packages: OpenMPI (Horovod's MPI ops and mpi4py), CMake 3.x, iproute2 (tc, netns).
 need_apt=()
-for pkg in libopenmpi-dev openmpi-bin cmake g++ iproute2 git; do
+for pkg in libopenmpi-dev openmpi-bin cmake g++ iproute2 git openssl; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need_apt+=("$pkg")
 done
 if ((${#need_apt[@]})); then

@@ -1,0 +1,323 @@
+"""Clients of the parameter server (``python -m ps_server``), over gRPC or MPI.
+
+A sparse tensor of ``numel`` elements is split into contiguous shards: with ``S`` servers,
+shard ``s`` owns flat indices ``[b_s, b_{s+1})``, ``b_s = floor(s * numel / S)``, and the
+server at the ``s``-th address serves it. :meth:`push_pull` sends each shard its pairs
+(indices made local, ``i - b_s``; an empty push still counts), all shards concurrently,
+then pulls each shard's aggregate for the same round and returns the pairs of the whole
+tensor. See :mod:`hvd_compress.sparse_wire` for the frames and :mod:`ps_server.store` for
+the round semantics.
+
+The gRPC client retries with exponential back-off while a server is unreachable (it may be
+restarting from its checkpoint): each retry pushes again (pushes are idempotent) and pulls.
+Any refusal raises :class:`PSError` naming the tensor, round, shard and server.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+
+from hvd_compress.sparse_wire import Kind, ValueDType, decode_frame, encode_frame
+
+GRPC_SERVICE = "hvd_compress.ps.ParameterServer"
+TOKEN_METADATA = "authorization"
+TOKEN_ENV = "HVD_COMPRESS_PS_TOKEN"
+MPI_REQUEST_TAG = 7301
+MPI_REPLY_TAG = 7302
+
+log = logging.getLogger("hvd_compress.ps_client")
+
+
+class PSError(RuntimeError):
+    """The parameter server refused a request or could not be reached.
+
+    Attributes: ``tensor``, ``round``, ``shard``, ``address`` and ``code`` (a gRPC status
+    name such as ``ABORTED`` for a round that failed at its deadline).
+    """
+
+    def __init__(self, tensor: str, round: int, shard: int, address: str, code: str,
+                 detail: str) -> None:
+        self.tensor, self.round, self.shard = tensor, round, shard
+        self.address, self.code, self.detail = address, code, detail
+        super().__init__(f"parameter server shard {shard} ({address}) failed tensor "
+                         f"{tensor!r} round {round}: {code}: {detail}")
+
+
+def shard_bounds(numel: int, shards: int) -> list[int]:
+    """``[b_0 = 0, ..., b_S = numel]``: shard ``s`` owns ``[b_s, b_{s+1})``."""
+    return [s * numel // shards for s in range(shards + 1)]
+
+
+def parse_addresses(spec: str | Sequence[str]) -> tuple[list[str], bool]:
+    """``"grpc://h:p,h:p"`` (or ``grpcs://`` for TLS, or a list) -> (["h:p", ...], tls)."""
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    tls = False
+    addresses = []
+    for item in (i.strip() for i in items):
+        for scheme in ("grpc://", "grpcs://"):
+            if item.startswith(scheme):
+                item, tls = item[len(scheme):], tls or scheme == "grpcs://"
+        if not item or ":" not in item:
+            raise ValueError(f"parameter server address must be HOST:PORT, got {item!r} "
+                             f"in {spec!r}")
+        addresses.append(item)
+    if not addresses:
+        raise ValueError("no parameter server address given")
+    return addresses, tls
+
+
+def to_dense(numel: int, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """The flat dense tensor holding ``values`` at ``indices`` and zeros elsewhere."""
+    dense = torch.zeros(numel, dtype=values.dtype)
+    dense[indices] = values
+    return dense
+
+
+class _ShardedClient:
+    """Splitting pairs into shard frames and joining the aggregates; transports subclass."""
+
+    addresses: list[str]
+
+    def __init__(self, worker: int, value_dtype: str) -> None:
+        self.worker = worker
+        self.dtype = ValueDType.parse(value_dtype)
+
+    def push_pull(self, tensor_id: str, round: int, numel: int, indices: torch.Tensor,
+                  values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Push this worker's pairs for ``round`` and return the aggregate's pairs.
+
+        ``indices`` are flat positions in ``[0, numel)``, unique, in any order. Returns
+        int64 indices (increasing) and float32 values, on the CPU.
+        """
+        pushes, pulls, bounds = self._frames(tensor_id, round, numel, indices, values)
+        replies = self._exchange(tensor_id, round, pushes, pulls)
+        return self._merge(tensor_id, round, bounds, replies)
+
+    def _frames(self, tensor: str, round: int, numel: int, indices: torch.Tensor,
+                values: torch.Tensor) -> tuple[list[bytes], list[bytes], list[int]]:
+        idx = indices.detach().reshape(-1).cpu().to(torch.int64).numpy()
+        val = values.detach().reshape(-1).cpu().float().numpy()
+        if idx.size != val.size:
+            raise ValueError(f"tensor {tensor!r}: {idx.size} indices but {val.size} values")
+        order = np.argsort(idx, kind="stable")
+        idx, val = idx[order], val[order]
+        if idx.size and (idx[0] < 0 or idx[-1] >= numel):
+            raise ValueError(f"tensor {tensor!r}: indices must lie in [0, {numel}), got "
+                             f"{idx[0]}..{idx[-1]}")
+        if np.any(idx[1:] == idx[:-1]):
+            raise ValueError(f"tensor {tensor!r}: duplicate indices (sum them first)")
+        shards = len(self.addresses)
+        bounds = shard_bounds(numel, shards)
+        cuts = np.searchsorted(idx, bounds)
+        pushes, pulls = [], []
+        for s in range(shards):
+            lo, hi = cuts[s], cuts[s + 1]
+            size = bounds[s + 1] - bounds[s]
+            pushes.append(encode_frame(Kind.PUSH, tensor, s, shards, round, self.worker, size,
+                                       idx[lo:hi] - bounds[s], val[lo:hi], self.dtype))
+            pulls.append(encode_frame(Kind.PULL, tensor, s, shards, round, self.worker, size,
+                                      dtype=self.dtype))
+        return pushes, pulls, bounds
+
+    def _merge(self, tensor: str, round: int, bounds: list[int],
+               replies: list[bytes]) -> tuple[torch.Tensor, torch.Tensor]:
+        all_idx, all_val = [], []
+        for s, reply in enumerate(replies):
+            try:
+                frame = decode_frame(reply)
+            except ValueError as err:
+                raise self._error(tensor, round, s, "DATA_LOSS", f"bad aggregate: {err}"
+                                  ) from err
+            got = (frame.kind, frame.tensor, frame.round, frame.shard, frame.numel)
+            want = (Kind.AGGREGATE, tensor, round, s, bounds[s + 1] - bounds[s])
+            if got != want:
+                raise self._error(tensor, round, s, "DATA_LOSS",
+                                  f"aggregate frame is for {got}, expected {want}")
+            all_idx.append(frame.indices + bounds[s])
+            all_val.append(frame.values.astype(np.float32))
+        return (torch.from_numpy(np.concatenate(all_idx)),
+                torch.from_numpy(np.concatenate(all_val)))
+
+    def _error(self, tensor: str, round: int, shard: int, code: str, detail: str) -> PSError:
+        return PSError(tensor, round, shard, self.addresses[shard], code, detail)
+
+    def _exchange(self, tensor: str, round: int, pushes: list[bytes],
+                  pulls: list[bytes]) -> list[bytes]:
+        raise NotImplementedError
+
+
+class PSClient(_ShardedClient):
+    """gRPC client of one parameter server per shard.
+
+    Args:
+        addresses: ``"grpc://h:p,h:p"`` (shard order), ``grpcs://`` for TLS, or a list.
+        worker: this worker's id, ``0 <= worker < --workers``.
+        token: the servers' token; defaults to ``$HVD_COMPRESS_PS_TOKEN`` when set.
+        root_certificates: PEM of the CA (or self-signed certificate) to trust; turns on
+            TLS. ``tls_server_name`` overrides the name checked in the certificate.
+        value_dtype: ``"fp32"`` or ``"fp16"`` values on the wire, both directions.
+        timeout: seconds one call may take (a pull waits for the slowest worker).
+        retry_timeout: how long to keep retrying an unreachable server.
+    """
+
+    def __init__(self, addresses: str | Sequence[str], worker: int, *,
+                 token: str | None = None, root_certificates: bytes | None = None,
+                 tls_server_name: str | None = None, value_dtype: str = "fp32",
+                 timeout: float = 300.0, retry_timeout: float = 60.0,
+                 max_message_bytes: int = 256 << 20) -> None:
+        import grpc
+
+        super().__init__(worker, value_dtype)
+        self._grpc = grpc
+        self.addresses, tls = parse_addresses(addresses)
+        self.timeout, self.retry_timeout = timeout, retry_timeout
+        token = token if token is not None else os.environ.get(TOKEN_ENV)
+        self._metadata = ((TOKEN_METADATA, f"Bearer {token}"),) if token else ()
+        options = [("grpc.max_receive_message_length", max_message_bytes),
+                   ("grpc.max_send_message_length", max_message_bytes),
+                   ("grpc.initial_reconnect_backoff_ms", 100),
+                   ("grpc.min_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", 1000)]
+        if tls_server_name:
+            options.append(("grpc.ssl_target_name_override", tls_server_name))
+        self._channels = []
+        for address in self.addresses:
+            if tls or root_certificates is not None:
+                creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
+                self._channels.append(grpc.secure_channel(address, creds, options=options))
+            else:
+                self._channels.append(grpc.insecure_channel(address, options=options))
+        self._push = [c.unary_unary(f"/{GRPC_SERVICE}/Push") for c in self._channels]
+        self._pull = [c.unary_unary(f"/{GRPC_SERVICE}/Pull") for c in self._channels]
+        self._pool = ThreadPoolExecutor(max_workers=len(self.addresses),
+                                        thread_name_prefix="ps-client")
+
+    def _exchange(self, tensor: str, round: int, pushes: list[bytes],
+                  pulls: list[bytes]) -> list[bytes]:
+        jobs = [self._pool.submit(self._shard_exchange, tensor, round, s, pushes[s], pulls[s])
+                for s in range(len(pushes))]
+        return [job.result() for job in jobs]
+
+    def _shard_exchange(self, tensor: str, round: int, shard: int, push: bytes,
+                        pull: bytes) -> bytes:
+        grpc = self._grpc
+        start, delay = time.monotonic(), 0.05
+        while True:
+            try:
+                self._push[shard](push, timeout=self.timeout, metadata=self._metadata)
+                return self._pull[shard](pull, timeout=self.timeout, metadata=self._metadata)
+            except grpc.RpcError as err:
+                code, detail = err.code(), err.details() or ""
+                waited = time.monotonic() - start
+                if code is grpc.StatusCode.UNAVAILABLE and waited + delay < self.retry_timeout:
+                    log.warning("parameter server shard %d (%s) unavailable (%s); retrying "
+                                "tensor %r round %d in %.2f s", shard, self.addresses[shard],
+                                detail, tensor, round, delay)
+                    time.sleep(delay * (1 + 0.2 * random.random()))
+                    delay = min(2 * delay, 2.0)
+                    continue
+                if code is grpc.StatusCode.UNAVAILABLE:
+                    detail = f"unreachable for {waited:.1f} s: {detail}"
+                raise self._error(tensor, round, shard, code.name, detail) from None
+
+    def health(self, timeout: float = 5.0) -> list[str]:
+        """Each server's health status name (``SERVING``...), by the standard service."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        statuses = []
+        for channel in self._channels:
+            stub = health_pb2_grpc.HealthStub(channel)
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=GRPC_SERVICE),
+                               timeout=timeout)
+            statuses.append(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+        return statuses
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+        for channel in self._channels:
+            channel.close()
+
+    def __enter__(self) -> PSClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def split_world(world: Any, role: str, shard: int | None = None,
+                shards: int | None = None) -> tuple[Any, int, list[int], list[int]]:
+    """Collective over ``world``: split workers from servers and exchange who is who.
+
+    Every rank calls it once (workers through :class:`MPIPSClient`, servers through
+    ``python -m ps_server --transport mpi``). Returns ``(sub, index, servers, workers)``:
+    the communicator of this rank's role (workers pass it to ``hvd.init(comm=sub)``), this
+    rank's index in it (a worker's id; a server's default shard), the world rank of each
+    shard's server in shard order, and the world rank of each worker in worker-id order.
+    """
+    if role not in ("worker", "server"):
+        raise ValueError(f"role must be 'worker' or 'server', got {role!r}")
+    sub = world.Split(0 if role == "worker" else 1, world.Get_rank())
+    if role == "server":
+        shard = sub.Get_rank() if shard is None else shard
+        shards = sub.Get_size() if shards is None else shards
+    roles = world.allgather((role, shard, shards))
+    workers = [r for r, (who, _, _) in enumerate(roles) if who == "worker"]
+    by_shard = {s: r for r, (who, s, _) in enumerate(roles) if who == "server"}
+    counts = {n for who, _, n in roles if who == "server"}
+    if len(counts) != 1 or sorted(by_shard) != list(range(next(iter(counts)))) or \
+            len(by_shard) != sum(who == "server" for who, _, _ in roles):
+        raise ValueError(f"MPI server ranks must cover shards 0..N-1 once each with one N; "
+                         f"got (role, shard, N) by world rank: {roles}")
+    if not workers:
+        raise ValueError("no worker ranks in the MPI world")
+    return sub, sub.Get_rank(), [by_shard[s] for s in sorted(by_shard)], workers
+
+
+class MPIPSClient(_ShardedClient):
+    """Client of parameter servers running as extra ranks of the same MPMD ``mpirun``.
+
+    Collective at construction (see :func:`split_world`); ``self.comm`` is the workers'
+    communicator. Requests are pickled ``(op, frame)`` tuples with tag
+    :data:`MPI_REQUEST_TAG`, replies ``(code, payload)`` with :data:`MPI_REPLY_TAG`,
+    ``code`` ``"OK"`` or a gRPC status name with the error message as payload.
+    """
+
+    def __init__(self, world: Any = None, value_dtype: str = "fp32") -> None:
+        if world is None:
+            from mpi4py import MPI
+
+            world = MPI.COMM_WORLD
+        self.world = world
+        self.comm, worker, self.servers, _ = split_world(world, "worker")
+        super().__init__(worker, value_dtype)
+        self.addresses = [f"mpi rank {r}" for r in self.servers]
+
+    def _exchange(self, tensor: str, round: int, pushes: list[bytes],
+                  pulls: list[bytes]) -> list[bytes]:
+        self._round_trip(tensor, round, "push", pushes)
+        return self._round_trip(tensor, round, "pull", pulls)
+
+    def _round_trip(self, tensor: str, round: int, op: str, frames: list[bytes]) -> list[bytes]:
+        sends = [self.world.isend((op, frame), dest=rank, tag=MPI_REQUEST_TAG)
+                 for rank, frame in zip(self.servers, frames)]
+        replies = [self.world.recv(source=rank, tag=MPI_REPLY_TAG) for rank in self.servers]
+        for request in sends:
+            request.wait()
+        for shard, (code, payload) in enumerate(replies):
+            if code != "OK":
+                raise self._error(tensor, round, shard, code, payload)
+        return [payload for _, payload in replies]
+
+    def close(self) -> None:
+        """Tell every server this worker is done (a server exits when all workers are)."""
+        for rank in self.servers:
+            self.world.send(("bye", b""), dest=rank, tag=MPI_REQUEST_TAG)

@@ -1,0 +1,338 @@
+"""Framed sparse messages between workers and the parameter server.
+
+One definition, used by :mod:`hvd_compress.comm.ps_client` and :mod:`ps_server`. A frame
+is a self-describing byte string (host memory, numpy arrays; it travels as gRPC ``bytes``
+or an MPI message)::
+
+    offset size  field
+     0      4    magic  b"HVPS"
+     4      1    format version (VERSION)
+     5      1    kind: 1 push, 2 pull request, 3 aggregate
+     6      1    index coding: 0 delta+varint, 1 bitmap, 2 dense
+     7      1    value dtype: 0 float32, 1 float16
+     8      4    worker id (u32; SERVER_ID in aggregates)
+    12      8    round (u64)
+    20      4    shard index (u32)
+    24      4    shard count (u32)
+    28      8    numel: dense element count of the shard (u64, <= MAX_NUMEL)
+    36      8    count: number of (index, value) pairs (u64, <= numel)
+    44      4    index section bytes (u32)
+    48      2    tensor name length L (u16, 1..MAX_NAME_BYTES)
+    50      L    tensor name, UTF-8
+            ...  index section, then value section (count values, little-endian)
+    end-4   4    CRC32 (zlib) of every preceding byte
+
+All integers are little-endian. Indices are local to the shard (``0 <= i < numel``) and
+strictly increasing. The index section is coded by whichever makes the frame smallest:
+
+* **delta+varint**: gaps ``g_0 = i_0``, ``g_j = i_j - i_{j-1} - 1``, each as unsigned LEB128
+  (7 bits per byte, least significant group first, high bit set on all but the last byte,
+  no redundant trailing zero groups).
+* **bitmap**: bit ``i`` set iff index ``i`` is present, packed like
+  :func:`hvd_compress.wire.pack_bits` (LSB first); ``ceil(numel / 8)`` bytes, padding
+  bits zero.
+* **dense**: no index section; ``count == numel`` values, index ``i`` holding value ``i``.
+
+Pull requests carry no pairs (``count = 0``); their value dtype asks for the aggregate's.
+:func:`decode_frame` checks every field against the bytes actually received and raises
+:class:`ValueError` saying what is wrong, before allocating anything sized by the header.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+from enum import IntEnum
+
+import numpy as np
+
+MAGIC = b"HVPS"
+VERSION = 1
+SERVER_ID = 0xFFFFFFFF
+MAX_NUMEL = 1 << 32
+MAX_NAME_BYTES = 1024
+_MAX_VARINT_BYTES = 5  # a gap below MAX_NUMEL = 2**32 needs at most ceil(32 / 7) groups
+
+_HEADER = struct.Struct("<4sBBBBIQIIQQIH")
+HEADER_BYTES = _HEADER.size
+_CRC_BYTES = 4
+
+
+class Kind(IntEnum):
+    PUSH = 1
+    PULL = 2
+    AGGREGATE = 3
+
+
+class IndexCoding(IntEnum):
+    VARINT = 0
+    BITMAP = 1
+    DENSE = 2
+
+
+class ValueDType(IntEnum):
+    FP32 = 0
+    FP16 = 1
+
+    @property
+    def numpy(self) -> np.dtype:
+        return np.dtype("<f4") if self is ValueDType.FP32 else np.dtype("<f2")
+
+    @classmethod
+    def parse(cls, name: str | ValueDType) -> ValueDType:
+        """``"fp32"``/``"float32"`` or ``"fp16"``/``"float16"`` (or a member)."""
+        if isinstance(name, ValueDType):
+            return name
+        aliases = {"fp32": cls.FP32, "float32": cls.FP32, "fp16": cls.FP16, "float16": cls.FP16}
+        try:
+            return aliases[name.lower()]
+        except KeyError:
+            raise ValueError(f"value dtype must be fp32 or fp16, got {name!r}") from None
+
+
+@dataclass(frozen=True)
+class Frame:
+    """A decoded frame. ``indices`` are int64 and local to the shard; ``values`` keep the
+    wire dtype (float32 or float16). Dense frames have ``indices = arange(numel)``."""
+
+    kind: Kind
+    tensor: str
+    shard: int
+    shards: int
+    round: int
+    worker: int
+    numel: int
+    indices: np.ndarray
+    values: np.ndarray
+    coding: IndexCoding
+    dtype: ValueDType
+
+    @property
+    def count(self) -> int:
+        return int(self.values.size)
+
+    def where(self) -> str:
+        """``tensor 'w' shard 0/2 round 5 worker 1``, for error messages and logs."""
+        who = "server" if self.worker == SERVER_ID else f"worker {self.worker}"
+        return (f"tensor {self.tensor!r} shard {self.shard}/{self.shards} round {self.round} "
+                f"{who}")
+
+
+# Index codings -----------------------------------------------------------------------------
+def varint_encode(gaps: np.ndarray) -> np.ndarray:
+    """Unsigned LEB128 of each element of ``gaps`` (uint64), concatenated, as uint8."""
+    gaps = np.asarray(gaps, dtype=np.uint64)
+    if gaps.size == 0:
+        return np.zeros(0, dtype=np.uint8)
+    nbytes = _varint_lengths(gaps)
+    width = int(nbytes.max())
+    shifts = np.arange(width, dtype=np.uint64) * np.uint64(7)
+    groups = ((gaps[:, None] >> shifts) & np.uint64(0x7F)).astype(np.uint8)
+    position = np.arange(width)
+    groups[position[None, :] < (nbytes[:, None] - 1)] |= 0x80
+    return groups[position[None, :] < nbytes[:, None]]
+
+
+def _varint_lengths(gaps: np.ndarray) -> np.ndarray:
+    """Bytes of each value's LEB128: 1 plus how many of 2**7, 2**14, ... it reaches."""
+    lengths = np.ones(gaps.shape, dtype=np.int64)
+    for k in range(1, 10):  # 2**63 needs 10 groups
+        above = gaps >= np.uint64(1 << (7 * k))
+        if not above.any():
+            break
+        lengths += above
+    return lengths
+
+
+def varint_decode(data: np.ndarray, count: int) -> np.ndarray:
+    """Inverse of :func:`varint_encode`: exactly ``count`` values (uint64) from ``data``."""
+    data = np.asarray(data, dtype=np.uint8)
+    ends = np.flatnonzero((data & 0x80) == 0)
+    if ends.size != count:
+        raise ValueError(f"index section holds {ends.size} varints, header says {count} pairs")
+    if count == 0:
+        if data.size:
+            raise ValueError(f"index section has {data.size} bytes but no pairs")
+        return np.zeros(0, dtype=np.uint64)
+    if ends[-1] != data.size - 1:
+        raise ValueError("index section ends inside a varint (truncated or corrupt)")
+    starts = np.empty_like(ends)
+    starts[0] = 0
+    starts[1:] = ends[:-1] + 1
+    lengths = ends - starts + 1
+    if int(lengths.max()) > _MAX_VARINT_BYTES:
+        raise ValueError(f"varint longer than {_MAX_VARINT_BYTES} bytes: gap too large "
+                         f"for any shard of at most {MAX_NUMEL} elements")
+    if np.any((data[ends] == 0) & (lengths > 1)):
+        raise ValueError("non-canonical varint (redundant trailing zero group)")
+    position = np.arange(data.size) - np.repeat(starts, lengths)
+    parts = (data & 0x7F).astype(np.uint64) << (position.astype(np.uint64) * np.uint64(7))
+    return np.add.reduceat(parts, starts)
+
+
+def varint_nbytes(gaps: np.ndarray) -> int:
+    """Bytes :func:`varint_encode` takes for ``gaps``, without encoding."""
+    gaps = np.asarray(gaps, dtype=np.uint64)
+    return int(_varint_lengths(gaps).sum()) if gaps.size else 0
+
+
+def bitmap_nbytes(numel: int) -> int:
+    return (numel + 7) // 8
+
+
+def _gaps(indices: np.ndarray) -> np.ndarray:
+    gaps = np.empty(indices.size, dtype=np.int64)
+    if indices.size:
+        gaps[0] = indices[0]
+        gaps[1:] = np.diff(indices) - 1
+    return gaps.astype(np.uint64)
+
+
+def choose_coding(indices: np.ndarray, numel: int, itemsize: int) -> IndexCoding:
+    """The coding giving the smallest frame for these (valid, increasing) indices."""
+    count = indices.size
+    sizes = {
+        IndexCoding.VARINT: varint_nbytes(_gaps(indices)) + count * itemsize,
+        IndexCoding.BITMAP: bitmap_nbytes(numel) + count * itemsize,
+        IndexCoding.DENSE: numel * itemsize,
+    }
+    return min(sizes, key=lambda coding: (sizes[coding], coding))
+
+
+# Frames ------------------------------------------------------------------------------------
+def encode_frame(kind: Kind, tensor: str, shard: int, shards: int, round: int, worker: int,
+                 numel: int, indices: np.ndarray | None = None,
+                 values: np.ndarray | None = None, dtype: ValueDType | str = ValueDType.FP32,
+                 coding: IndexCoding | None = None) -> bytes:
+    """Encode one frame. ``indices`` (local, strictly increasing) and ``values`` (cast to
+    ``dtype``) default to none; ``coding`` defaults to the smallest (:func:`choose_coding`).
+    """
+    dtype = ValueDType.parse(dtype)
+    name = tensor.encode("utf-8")
+    if not 1 <= len(name) <= MAX_NAME_BYTES:
+        raise ValueError(f"tensor name must be 1..{MAX_NAME_BYTES} UTF-8 bytes, "
+                         f"got {len(name)}")
+    if not 0 <= shard < shards <= 0xFFFFFFFF:
+        raise ValueError(f"shard must satisfy 0 <= shard < shards, got {shard}/{shards}")
+    if not 0 <= round < 1 << 64 or not 0 <= worker <= SERVER_ID:
+        raise ValueError(f"round and worker must fit u64/u32, got {round} and {worker}")
+    if not 0 <= numel <= MAX_NUMEL:
+        raise ValueError(f"numel must be 0..{MAX_NUMEL}, got {numel}")
+    idx = np.zeros(0, np.int64) if indices is None else np.asarray(indices, np.int64).ravel()
+    val = np.zeros(0, dtype.numpy) if values is None else np.asarray(values).ravel()
+    if idx.size != val.size:
+        raise ValueError(f"{idx.size} indices but {val.size} values")
+    if idx.size:
+        if idx[0] < 0 or idx[-1] >= numel:
+            raise ValueError(f"indices must lie in [0, {numel}), got {idx.min()}..{idx.max()}")
+        if np.any(np.diff(idx) <= 0):
+            raise ValueError("indices must be strictly increasing (sorted, no duplicates)")
+    val = val.astype(dtype.numpy, copy=False)
+    if coding is None:
+        coding = choose_coding(idx, numel, dtype.numpy.itemsize)
+    if coding is IndexCoding.VARINT:
+        index_bytes = varint_encode(_gaps(idx)).tobytes()
+    elif coding is IndexCoding.BITMAP:
+        bits = np.zeros(bitmap_nbytes(numel) * 8, dtype=bool)
+        bits[idx] = True
+        index_bytes = np.packbits(bits, bitorder="little").tobytes()
+    else:
+        dense = np.zeros(numel, dtype=dtype.numpy)
+        dense[idx] = val
+        val, index_bytes = dense, b""
+    header = _HEADER.pack(MAGIC, VERSION, int(kind), int(coding), int(dtype), worker, round,
+                          shard, shards, numel, val.size, len(index_bytes), len(name))
+    body = b"".join([header, name, index_bytes, val.tobytes()])
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+def decode_frame(data: bytes | bytearray | memoryview, max_numel: int = MAX_NUMEL) -> Frame:
+    """Decode and validate a frame; any inconsistency raises :class:`ValueError`.
+
+    ``max_numel`` lets a receiver refuse shards larger than it is willing to hold.
+    """
+    buf = memoryview(data).cast("B")
+    size = buf.nbytes
+    if size < HEADER_BYTES + _CRC_BYTES:
+        raise ValueError(f"frame of {size} bytes is shorter than the "
+                         f"{HEADER_BYTES + _CRC_BYTES}-byte header and CRC (truncated)")
+    (magic, version, kind, coding, dtype, worker, round, shard, shards, numel, count,
+     index_nbytes, name_len) = _HEADER.unpack_from(buf)
+    if magic != MAGIC:
+        raise ValueError(f"not a parameter-server frame: magic {magic!r}, expected {MAGIC!r}")
+    if version != VERSION:
+        raise ValueError(f"unsupported frame version {version}; this build reads version "
+                         f"{VERSION} (are client and server the same hvd_compress version?)")
+    (stored_crc,) = struct.unpack_from("<I", buf, size - _CRC_BYTES)
+    if zlib.crc32(buf[: size - _CRC_BYTES]) != stored_crc:
+        raise ValueError(f"CRC mismatch on a {size}-byte frame (corrupt or truncated)")
+    kind = _enum(Kind, kind, "kind")
+    coding = _enum(IndexCoding, coding, "index coding")
+    dtype = _enum(ValueDType, dtype, "value dtype")
+    if not 0 <= shard < shards:
+        raise ValueError(f"shard index {shard} is not below the shard count {shards}")
+    if numel > min(max_numel, MAX_NUMEL):
+        raise ValueError(f"shard of {numel} elements exceeds the limit of "
+                         f"{min(max_numel, MAX_NUMEL)}")
+    if count > numel:
+        raise ValueError(f"{count} pairs in a shard of only {numel} elements")
+    if not 1 <= name_len <= MAX_NAME_BYTES:
+        raise ValueError(f"tensor name length {name_len} is outside 1..{MAX_NAME_BYTES}")
+    itemsize = dtype.numpy.itemsize
+    expected_index = {IndexCoding.BITMAP: bitmap_nbytes(numel), IndexCoding.DENSE: 0}.get(coding)
+    if expected_index is not None and index_nbytes != expected_index:
+        raise ValueError(f"{coding.name.lower()} index section of {index_nbytes} bytes, "
+                         f"expected {expected_index} for {numel} elements")
+    if coding is IndexCoding.DENSE and count != numel:
+        raise ValueError(f"dense frame with {count} values for {numel} elements")
+    if coding is IndexCoding.VARINT and not count <= index_nbytes <= _MAX_VARINT_BYTES * count:
+        raise ValueError(f"varint index section of {index_nbytes} bytes cannot hold "
+                         f"{count} indices")
+    expected = HEADER_BYTES + name_len + index_nbytes + count * itemsize + _CRC_BYTES
+    if size != expected:
+        raise ValueError(f"frame has {size} bytes, its header describes {expected}")
+    offset = HEADER_BYTES
+    try:
+        tensor = bytes(buf[offset : offset + name_len]).decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError("tensor name is not valid UTF-8") from None
+    offset += name_len
+    index_section = np.frombuffer(buf, np.uint8, index_nbytes, offset)
+    offset += index_nbytes
+    values = np.frombuffer(buf, dtype.numpy, count, offset)
+    indices = _decode_indices(coding, index_section, numel, count)
+    return Frame(kind, tensor, shard, shards, round, worker, numel, indices, values, coding,
+                 dtype)
+
+
+def _decode_indices(coding: IndexCoding, section: np.ndarray, numel: int,
+                    count: int) -> np.ndarray:
+    if coding is IndexCoding.DENSE:
+        return np.arange(numel, dtype=np.int64)
+    if coding is IndexCoding.BITMAP:
+        bits = np.unpackbits(section, bitorder="little")
+        if bits[numel:].any():
+            raise ValueError(f"bitmap sets bits at or beyond numel {numel} (out of range)")
+        indices = np.flatnonzero(bits).astype(np.int64)
+        if indices.size != count:
+            raise ValueError(f"bitmap holds {indices.size} indices, header says {count}")
+        return indices
+    gaps = varint_decode(section, count)
+    if count and int(gaps.max()) >= numel:
+        raise ValueError(f"index gap {int(gaps.max())} reaches beyond numel {numel}")
+    # Each gap is below numel <= 2**32 and count is below the frame's byte size (< 2**31 for
+    # any message gRPC or MPI delivers), so the int64 cumulative sum cannot overflow.
+    indices = np.cumsum(gaps.astype(np.int64) + 1) - 1
+    if count and indices[-1] >= numel:
+        raise ValueError(f"index {int(indices[-1])} out of range for a shard of {numel} "
+                         "elements")
+    return indices
+
+
+def _enum(cls: type[IntEnum], value: int, what: str) -> IntEnum:
+    try:
+        return cls(value)
+    except ValueError:
+        raise ValueError(f"unknown {what} {value}; known: "
+                         f"{', '.join(f'{m.value} {m.name.lower()}' for m in cls)}") from None

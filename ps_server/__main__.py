@@ -1,0 +1,185 @@
+"""``python -m ps_server`` / ``hvd-ps-server``: one parameter-server shard.
+
+Example, two shards for two workers over gRPC with a token::
+
+    echo s3cret > token; hvd-ps-server --workers 2 --shard 0/2 --bind 0.0.0.0:7070 \\
+        --token-file token --checkpoint-dir ckpt
+    hvd-ps-server --workers 2 --shard 1/2 --bind 0.0.0.0:7071 --token-file token ...
+
+and workers use ``PSClient("grpc://host:7070,host:7071", worker=rank, token=...)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from hvd_compress.comm.ps_client import TOKEN_ENV
+from ps_server.service import ShardService
+from ps_server.store import MODES, ShardStore
+
+log = logging.getLogger("ps_server")
+
+
+def _shard(text: str) -> tuple[int, int]:
+    try:
+        index, count = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected I/N such as 0/2, got {text!r}") from None
+    if not 0 <= index < count:
+        raise argparse.ArgumentTypeError(f"shard I/N needs 0 <= I < N, got {text!r}")
+    return index, count
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    return host, int(port)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="hvd-ps-server",
+        description="Parameter-server shard aggregating sparse gradient pushes by round.")
+    p.add_argument("--transport", choices=("grpc", "mpi"), default="grpc",
+                   help="gRPC server, or ranks of an MPMD mpirun with the workers")
+    p.add_argument("--bind", type=_host_port, default=("127.0.0.1", 7070),
+                   metavar="HOST:PORT", help="gRPC listen address; port 0 picks a free port "
+                   "(default 127.0.0.1:7070)")
+    p.add_argument("--workers", type=int, required=True, metavar="N",
+                   help="number of workers pushing every round")
+    p.add_argument("--shard", type=_shard, default=None, metavar="I/N",
+                   help="this server's shard of N (default 0/1; with MPI, the server's rank "
+                   "among server ranks)")
+    p.add_argument("--deadline", type=float, default=120.0, metavar="SECONDS",
+                   help="a round missing a worker this long after its first request fails")
+    p.add_argument("--mode", choices=MODES, default="union",
+                   help="union: exact sum over the union of indices; topk: global top-k "
+                   "with a server-side residual")
+    p.add_argument("--token-file", type=Path, metavar="PATH",
+                   help=f"require this token from gRPC clients (else ${TOKEN_ENV} if set)")
+    p.add_argument("--tls-cert", type=Path, metavar="PEM", help="TLS certificate chain")
+    p.add_argument("--tls-key", type=Path, metavar="PEM", help="TLS private key")
+    p.add_argument("--checkpoint-dir", metavar="DIR",
+                   help="write and resume from shard-I-of-N.npz here")
+    p.add_argument("--checkpoint-every", type=int, default=1, metavar="ROUNDS",
+                   help="checkpoint after rounds whose number is a multiple of this")
+    p.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics")
+    p.add_argument("--max-message-mb", type=int, default=256, metavar="MB",
+                   help="largest gRPC message accepted or sent (default 256)")
+    p.add_argument("--max-shard-numel", type=int, default=1 << 28, metavar="N",
+                   help="refuse tensors whose shard has more elements (default 2**28)")
+    p.add_argument("--threads", type=int, default=64,
+                   help="gRPC handler threads; each waiting pull holds one (default 64)")
+    p.add_argument("--log-level", default="INFO",
+                   choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    args = p.parse_args(argv)
+    if (args.tls_cert is None) != (args.tls_key is None):
+        p.error("--tls-cert and --tls-key go together")
+    if args.workers < 1:
+        p.error(f"--workers must be at least 1, got {args.workers}")
+    if args.deadline <= 0:
+        p.error(f"--deadline must be positive, got {args.deadline}")
+    if args.checkpoint_every < 1:
+        p.error(f"--checkpoint-every must be at least 1, got {args.checkpoint_every}")
+    return args
+
+
+def _token(args: argparse.Namespace) -> str | None:
+    if args.token_file is not None:
+        token = args.token_file.read_text().strip()
+        if not token:
+            raise SystemExit(f"hvd-ps-server: token file {args.token_file} is empty")
+        return token
+    return os.environ.get(TOKEN_ENV) or None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    world = workers = None
+    shard, shards = args.shard or (None, None)
+    if args.transport == "mpi":
+        from mpi4py import MPI
+
+        from hvd_compress.comm.ps_client import split_world
+
+        world = MPI.COMM_WORLD
+        _, _, servers, workers = split_world(world, "server", shard, shards)
+        shard = servers.index(world.Get_rank())
+        shards = len(servers)
+        if len(workers) != args.workers:
+            raise SystemExit(f"hvd-ps-server: --workers {args.workers} but the MPI world has "
+                             f"{len(workers)} worker ranks")
+    shard, shards = (0, 1) if shard is None else (shard, shards)
+    logging.basicConfig(
+        level=args.log_level, stream=sys.stderr,
+        format=f"%(asctime)s ps-server[{shard}/{shards}] %(levelname)s %(message)s")
+    store = ShardStore(args.workers, shard, shards, args.mode, args.deadline,
+                       args.max_shard_numel)
+    service = ShardService(store, args.checkpoint_dir, args.checkpoint_every)
+    try:
+        service.restore()
+    except ValueError as err:
+        raise SystemExit(f"hvd-ps-server: {err}") from None
+    host, port = args.bind
+    if args.metrics_port is not None:
+        metrics_server = service.metrics.serve(host, args.metrics_port)
+        log.info("metrics at http://%s:%d/metrics", host, metrics_server.server_address[1])
+    desc = (f"{args.workers} workers, mode {args.mode}, deadline {args.deadline:g} s, "
+            f"checkpoints {args.checkpoint_dir or 'off'}")
+    if args.transport == "mpi":
+        from ps_server import mpi_transport
+
+        log.info("serving shard %d/%d over MPI (rank %d): %s", shard, shards,
+                 world.Get_rank(), desc)
+        mpi_transport.serve(service, world, workers)
+        service.save_checkpoint()
+        log.info("all workers done; exiting")
+        return 0
+    return _serve_grpc(args, service, host, port, desc)
+
+
+def _serve_grpc(args: argparse.Namespace, service: ShardService, host: str, port: int,
+                desc: str) -> int:
+    from ps_server import grpc_transport
+
+    token = _token(args)
+    tls = None
+    if args.tls_cert is not None:
+        tls = (args.tls_key.read_bytes(), args.tls_cert.read_bytes())
+    if token is None and host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("no token: anyone who reaches %s:%d can push gradients (use "
+                    "--token-file)", host, port)
+    try:
+        server, port = grpc_transport.serve(service, f"{host}:{port}", token, tls,
+                                            args.max_message_mb << 20, args.threads)
+    except OSError as err:
+        raise SystemExit(f"hvd-ps-server: {err}") from None
+    stop = threading.Event()
+    grpc_transport.tick_forever(service, stop)
+
+    def shut_down(signum: int, _frame: object) -> None:
+        log.info("received %s: stopping", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, shut_down)
+    signal.signal(signal.SIGINT, shut_down)
+    log.info("serving shard %d/%d on %s:%d (grpc%s, token %s): %s", service.store.shard,
+             service.store.shards, host, port, "+tls" if tls else "",
+             "required" if token else "off", desc)
+    stop.wait()
+    server.stop(grace=1.0).wait()
+    service.save_checkpoint()
+    log.info("stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""The MPI transport: server ranks of an MPMD ``mpirun``, one event loop per server.
+
+Launch, for example::
+
+    mpirun -np 2 python worker.py : -np 1 python -m ps_server --transport mpi --workers 2
+
+Every rank first calls :func:`hvd_compress.comm.ps_client.split_world` (workers through
+:class:`~hvd_compress.comm.ps_client.MPIPSClient`). The loop receives ``(op, frame)``
+requests, answers pushes at once and parks pulls until their round finishes or fails;
+it only ever touches MPI from one thread. It returns when every worker has said ``bye``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from hvd_compress.comm.ps_client import MPI_REPLY_TAG, MPI_REQUEST_TAG
+from hvd_compress.sparse_wire import Frame
+from ps_server.service import ShardService
+from ps_server.store import RequestError
+
+log = logging.getLogger("ps_server")
+
+
+def serve(service: ShardService, world: Any, workers: list[int], max_idle_sleep: float = 5e-3
+          ) -> None:
+    """Serve requests from the worker ranks ``workers`` of ``world`` until all say bye.
+
+    While idle, the loop polls with a sleep growing to ``max_idle_sleep``, and checks
+    deadlines and parked pulls at most every 20 ms.
+    """
+    from mpi4py import MPI
+
+    worker_of = {rank: w for w, rank in enumerate(workers)}
+    active = set(workers)
+    parked: list[tuple[int, Frame]] = []
+    status = MPI.Status()
+    idle, next_tick = 0.0, 0.0
+    while active:
+        if not world.Iprobe(source=MPI.ANY_SOURCE, tag=MPI_REQUEST_TAG, status=status):
+            if time.monotonic() >= next_tick:
+                service.tick()
+                parked = _answer_parked(service, world, parked)
+                next_tick = time.monotonic() + 0.02
+            idle = min(max(2 * idle, 1e-4), max_idle_sleep)
+            time.sleep(idle)
+            continue
+        idle = 0.0
+        source = status.Get_source()
+        op, payload = world.recv(source=source, tag=MPI_REQUEST_TAG)
+        peer = f"mpi rank {source}"
+        if source not in worker_of:
+            log.warning("ignored %r from rank %d, which is not a worker", op, source)
+            continue
+        if op == "bye":
+            active.discard(source)
+            log.info("worker %d (rank %d) is done; %d still active", worker_of[source],
+                     source, len(active))
+            continue
+        try:
+            if op == "push":
+                reply: tuple[str, Any] = ("OK", service.push(payload, peer, worker_of[source]))
+                world.send(reply, dest=source, tag=MPI_REPLY_TAG)
+                parked = _answer_parked(service, world, parked)
+                continue
+            if op != "pull":
+                raise RequestError(f"unknown MPI request {op!r}; expected push, pull or bye")
+            parked.append((source, service.decode_pull(payload, peer, worker_of[source])))
+            parked = _answer_parked(service, world, parked)
+        except RequestError as err:
+            world.send((err.code, str(err)), dest=source, tag=MPI_REPLY_TAG)
+
+
+def _answer_parked(service: ShardService, world: Any, parked: list[tuple[int, Frame]]
+                   ) -> list[tuple[int, Frame]]:
+    """Reply to every parked pull whose round has finished; keep the others."""
+    waiting = []
+    for source, frame in parked:
+        try:
+            result = service.try_pull(frame, f"mpi rank {source}")
+        except RequestError as err:
+            world.send((err.code, str(err)), dest=source, tag=MPI_REPLY_TAG)
+            continue
+        if result is None:
+            waiting.append((source, frame))
+        else:
+            world.send(("OK", result), dest=source, tag=MPI_REPLY_TAG)
+    return waiting

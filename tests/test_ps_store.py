@@ -1,0 +1,191 @@
+"""The parameter server's round state machine, shard store and checkpoints, in-process."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hvd_compress.sparse_wire import Kind, decode_frame, encode_frame
+from ps_server import checkpoint
+from ps_server.service import ACCEPTED, DUPLICATE, ShardService
+from ps_server.store import (
+    FutureRound,
+    RequestError,
+    RoundFailed,
+    ShardStore,
+    StaleRound,
+    UnknownTensor,
+)
+
+NUMEL = 2000
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def push(worker: int, round: int, idx, val, tensor: str = "w", dtype: str = "fp32",
+         numel: int = NUMEL) -> bytes:
+    return encode_frame(Kind.PUSH, tensor, 0, 1, round, worker, numel, np.asarray(idx),
+                        np.asarray(val, np.float32), dtype)
+
+
+def pull(round: int, worker: int = 0, tensor: str = "w", dtype: str = "fp32") -> bytes:
+    return encode_frame(Kind.PULL, tensor, 0, 1, round, worker, NUMEL, dtype=dtype)
+
+
+def random_pushes(workers: int, seed: int, k: int = 300):
+    rng = np.random.default_rng(seed)
+    pushes = []
+    for _ in range(workers):
+        idx = np.sort(rng.choice(NUMEL // 2, k, replace=False))  # overlapping supports
+        pushes.append((idx, rng.standard_normal(k).astype(np.float32)))
+    return pushes
+
+
+def make(workers: int = 3, mode: str = "union", deadline: float = 10.0, **kw):
+    clock = Clock()
+    store = ShardStore(workers, 0, 1, mode, deadline, clock=clock)
+    return ShardService(store, **kw), clock
+
+
+def dense(frame_bytes: bytes) -> np.ndarray:
+    frame = decode_frame(frame_bytes)
+    out = np.zeros(frame.numel, np.float32)
+    out[frame.indices] = frame.values
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_union_is_exact_sum_of_decoded_pushes(dtype):
+    service, _ = make()
+    pushes = random_pushes(3, seed=0)
+    expected = np.zeros(NUMEL, np.float32)
+    support = np.zeros(NUMEL, bool)
+    for w, (idx, val) in enumerate(pushes):
+        data = push(w, 0, idx, val, dtype=dtype)
+        decoded = decode_frame(data)
+        expected[decoded.indices] += decoded.values.astype(np.float32)
+        support[decoded.indices] = True
+        assert service.push(data, "test") == ACCEPTED
+        if w < 2:
+            assert service.store.try_pull(decode_frame(pull(0))) is None  # open till all push
+    result = decode_frame(service.pull(pull(0), "test", timeout=1.0))
+    np.testing.assert_array_equal(result.indices, np.flatnonzero(support))
+    np.testing.assert_allclose(dense(service.pull(pull(0), "t", 1.0)), expected, rtol=1e-6)
+    np.testing.assert_array_equal(dense(service.pull(pull(0, dtype="fp32"), "t", 1.0)),
+                                  expected)
+
+
+def test_topk_mode_keeps_a_server_residual():
+    service, _ = make(workers=2, mode="topk")
+    residual = np.zeros(NUMEL, np.float32)
+    for r in range(3):
+        pushes = random_pushes(2, seed=r, k=50)
+        total = residual.copy()
+        for w, (idx, val) in enumerate(pushes):
+            service.push(push(w, r, idx, val), "t")
+            total[idx] += val
+        result = decode_frame(service.pull(pull(r), "t", 1.0))
+        assert result.count == 50  # k = the most pairs any worker pushed
+        top = np.sort(np.argsort(-np.abs(total), kind="stable")[:50])
+        np.testing.assert_array_equal(result.indices, top)
+        np.testing.assert_allclose(result.values, total[top], rtol=1e-6)
+        residual = total.copy()
+        residual[top] = 0
+        np.testing.assert_allclose(service.store.tensors["w"].residual, residual, rtol=1e-6)
+
+
+def test_duplicate_push_is_ignored_and_rounds_are_checked():
+    service, _ = make(workers=2)
+    assert service.push(push(0, 4, [1, 2], [1.0, 2.0]), "t") == ACCEPTED
+    assert service.push(push(0, 4, [1, 2], [5.0, 5.0]), "t") == DUPLICATE
+    with pytest.raises(FutureRound, match="ahead of the server, which is at round 4"):
+        service.push(push(1, 5, [1], [1.0]), "t")
+    with pytest.raises(StaleRound, match="stale: the server is at round 4"):
+        service.push(push(1, 3, [1], [1.0]), "t")
+    assert service.push(push(1, 4, [2], [1.0]), "t") == ACCEPTED
+    np.testing.assert_array_equal(dense(service.pull(pull(4), "t", 1.0))[:3], [0, 1, 3])
+    assert service.push(push(1, 4, [2], [1.0]), "t") == DUPLICATE  # a retry after close
+    with pytest.raises(StaleRound):
+        service.pull(pull(3), "t", 1.0)
+    with pytest.raises(FutureRound):
+        service.pull(pull(6), "t", 1.0)
+    with pytest.raises(UnknownTensor, match="no worker has pushed"):
+        service.pull(pull(0, tensor="other"), "t", 1.0)
+    assert service.metrics.value("hvd_ps_requests_total", method="push",
+                                 outcome="duplicate") == 2
+
+
+def test_missing_worker_fails_the_round_by_name_and_the_next_round_works():
+    service, clock = make(workers=3, deadline=5.0)
+    service.push(push(0, 0, [1], [1.0]), "t")
+    service.push(push(2, 0, [1], [1.0]), "t")
+    clock.now = 5.5
+    with pytest.raises(RoundFailed, match=r"worker 1 did not push within the 5 s deadline"):
+        service.pull(pull(0), "t", timeout=1.0)
+    with pytest.raises(RoundFailed, match="worker 1 did not push"):
+        service.push(push(1, 0, [1], [1.0]), "t")  # the late worker learns why
+    for w in range(3):
+        service.push(push(w, 1, [7], [2.0]), "t")
+    assert dense(service.pull(pull(1), "t", 1.0))[7] == 6.0
+    assert service.metrics.value("hvd_ps_rounds_failed_total") == 1
+
+
+@pytest.mark.parametrize("bad", [
+    lambda f: f[:-3],
+    lambda f: f[:-1] + bytes([f[-1] ^ 0xFF]),
+    lambda f: push(0, 0, [1], [1.0], numel=NUMEL + 1),  # size differs from registration
+    lambda f: encode_frame(Kind.PUSH, "w", 0, 2, 0, 0, NUMEL, [1], [1.0]),  # wrong shard
+    lambda f: encode_frame(Kind.PUSH, "w", 0, 1, 0, 9, NUMEL, [1], [1.0]),  # unknown worker
+    lambda f: encode_frame(Kind.PULL, "w", 0, 1, 0, 0, NUMEL),  # pull sent as push
+    lambda f: encode_frame(Kind.PUSH, "w", 0, 1, 0, 0, 1 << 30),  # absurd size
+], ids=["truncated", "crc", "numel", "shard", "worker", "kind", "absurd"])
+def test_malformed_push_is_rejected_and_changes_nothing(bad):
+    service, _ = make(workers=2)
+    service.store.max_numel = 1 << 20
+    service.push(push(0, 0, [1, 3], [1.0, 1.0]), "t")
+    before = service.store.snapshot()
+    acc = service.store.tensors["w"].acc.copy()
+    with pytest.raises(RequestError):
+        service.push(bad(push(1, 0, [3], [1.0])), "t")
+    assert service.store.snapshot()["tensors"]["w"]["round"] == before["tensors"]["w"]["round"]
+    np.testing.assert_array_equal(service.store.tensors["w"].acc, acc)
+    service.push(push(1, 0, [3], [1.0]), "t")
+    np.testing.assert_array_equal(dense(service.pull(pull(0), "t", 1.0))[[1, 3]], [1, 2])
+
+
+def test_checkpoint_roundtrip_resumes_rounds_residuals_and_last_aggregate(tmp_path):
+    service, _ = make(workers=2, mode="topk", checkpoint_dir=str(tmp_path))
+    for w in range(2):
+        service.push(push(w, 0, [1, 2, 3], [1.0, -2.0, 0.5 * w]), "t")
+    first = service.pull(pull(0), "t", 1.0)
+    path = checkpoint.path_for(tmp_path, 0, 1)
+    assert path.exists()
+    restored, _ = make(workers=2, mode="topk", checkpoint_dir=str(tmp_path))
+    restored.restore()
+    assert restored.pull(pull(0), "t", 1.0) == first
+    np.testing.assert_array_equal(restored.store.tensors["w"].residual,
+                                  service.store.tensors["w"].residual)
+    assert restored.push(push(0, 0, [1], [1.0]), "t") == DUPLICATE
+    for w in range(2):
+        restored.push(push(w, 1, [1], [1.0]), "t")
+    assert decode_frame(restored.pull(pull(1), "t", 1.0)).round == 1
+    other, _ = make(workers=3, mode="topk", checkpoint_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="matching configuration"):
+        other.restore()
+
+
+def test_restored_tensor_follows_workers_ahead_of_the_checkpoint(tmp_path):
+    service, _ = make(workers=1, checkpoint_dir=str(tmp_path), checkpoint_every=10)
+    for r in range(3):
+        service.push(push(0, r, [1], [1.0]), "t")  # only round 0 is checkpointed
+    restored, _ = make(workers=1, checkpoint_dir=str(tmp_path))
+    restored.restore()
+    assert restored.store.rounds() == {"w": 1}
+    restored.push(push(0, 3, [1], [1.0]), "t")
+    assert decode_frame(restored.pull(pull(3), "t", 1.0)).round == 3

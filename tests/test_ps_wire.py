@@ -1,0 +1,153 @@
+"""The parameter server's framed sparse wire format (hvd_compress.sparse_wire)."""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+import numpy as np
+import pytest
+
+from hvd_compress.sparse_wire import (
+    HEADER_BYTES,
+    IndexCoding,
+    Kind,
+    ValueDType,
+    decode_frame,
+    encode_frame,
+    varint_decode,
+    varint_encode,
+    varint_nbytes,
+)
+
+
+def _frame(numel: int = 1000, indices=(0, 5, 999), dtype: str = "fp32", **kw) -> bytes:
+    values = np.arange(1, len(indices) + 1, dtype=np.float32)
+    return encode_frame(Kind.PUSH, "layer.weight", 1, 2, 7, 3, numel, np.array(indices),
+                        values, dtype, **kw)
+
+
+def _recrc(body: bytes) -> bytes:
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+def test_varint_roundtrip_edges():
+    gaps = np.array([0, 1, 127, 128, 300, 16383, 16384, 2**32 - 1], dtype=np.uint64)
+    encoded = varint_encode(gaps)
+    assert encoded[:4].tolist() == [0, 1, 127, 0x80]  # 128 starts with a continued group
+    assert encoded.size == varint_nbytes(gaps) == 1 + 1 + 1 + 2 + 2 + 2 + 3 + 5
+    assert varint_decode(encoded, gaps.size).tolist() == gaps.tolist()
+
+
+@pytest.mark.parametrize("coding", list(IndexCoding))
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_roundtrip_every_coding(coding, dtype):
+    rng = np.random.default_rng(0)
+    idx = np.sort(rng.choice(5000, 300, replace=False))
+    val = rng.standard_normal(300).astype(np.float32)
+    frame = decode_frame(encode_frame(Kind.PUSH, "w", 0, 1, 2**40, 5, 5000, idx, val, dtype,
+                                      coding))
+    assert (frame.kind, frame.tensor, frame.round, frame.worker, frame.numel) == \
+        (Kind.PUSH, "w", 2**40, 5, 5000)
+    assert frame.coding is coding and frame.dtype is ValueDType.parse(dtype)
+    dense = np.zeros(5000, np.float32)
+    dense[frame.indices] = frame.values
+    expected = np.zeros(5000, np.float32)
+    expected[idx] = val.astype(frame.values.dtype)
+    np.testing.assert_array_equal(dense, expected)
+
+
+def test_coding_is_the_smallest():
+    sparse = decode_frame(_frame(100_000, (3, 50_000)))
+    assert sparse.coding is IndexCoding.VARINT
+    half = decode_frame(_frame(1000, tuple(range(0, 1000, 2))))
+    assert half.coding is IndexCoding.BITMAP
+    full = decode_frame(_frame(100, tuple(range(100))))
+    assert full.coding is IndexCoding.DENSE and full.count == 100
+    empty = _frame(100, ())
+    assert len(empty) == HEADER_BYTES + len("layer.weight") + 4
+
+
+def test_topk_0p1_percent_fp16_is_800x_smaller_than_dense_fp32():
+    numel = 4096 * 4096
+    rng = np.random.default_rng(1)
+    grad = rng.standard_normal(numel).astype(np.float32)
+    k = numel // 1000
+    idx = np.sort(np.argpartition(-np.abs(grad), k - 1)[:k])
+    payload = encode_frame(Kind.PUSH, "fc.weight", 0, 1, 0, 0, numel, idx, grad[idx], "fp16")
+    ratio = 4 * numel / len(payload)
+    print(f"top-k 0.1% fp16 on 4096x4096: {len(payload)} bytes, {ratio:.0f}x smaller")
+    assert ratio >= 800
+    frame = decode_frame(payload)
+    np.testing.assert_array_equal(frame.indices, idx)
+    np.testing.assert_array_equal(frame.values, grad[idx].astype(np.float16))
+
+
+def test_encoder_refuses_bad_input():
+    with pytest.raises(ValueError, match="strictly increasing"):
+        _frame(10, (3, 3))
+    with pytest.raises(ValueError, match="strictly increasing"):
+        _frame(10, (4, 2))
+    with pytest.raises(ValueError, match=r"\[0, 10\)"):
+        _frame(10, (10,))
+    with pytest.raises(ValueError, match="fp32 or fp16"):
+        _frame(dtype="bf16")
+
+
+def _corrupt(frame: bytes, offset: int, fmt: str, value: int, trim: int = 0) -> bytes:
+    """Overwrite a header field (and drop ``trim`` trailing body bytes), with a valid CRC."""
+    body = bytearray(frame[: len(frame) - 4 - trim])
+    struct.pack_into(fmt, body, offset, value)
+    return _recrc(bytes(body))
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda f: f[:-1], "CRC mismatch"),
+    (lambda f: f[:20], "truncated"),
+    (lambda f: f[:-5] + bytes([f[-5] ^ 1]) + f[-4:], "CRC mismatch"),
+    (lambda f: b"XXXX" + f[4:], "magic"),
+    (lambda f: _corrupt(f, 4, "<B", 9), "version 9"),
+    (lambda f: _corrupt(f, 5, "<B", 9), "unknown kind 9"),
+    (lambda f: _corrupt(f, 6, "<B", 7), "unknown index coding"),
+    (lambda f: _corrupt(f, 7, "<B", 5), "unknown value dtype"),
+    (lambda f: _corrupt(f, 20, "<I", 2), "shard index 2"),
+    (lambda f: _corrupt(f, 28, "<Q", 2**50), "exceeds the limit"),
+    (lambda f: _corrupt(f, 28, "<Q", 2), "pairs in a shard of only 2"),
+    (lambda f: _corrupt(f, 36, "<Q", 2), "header describes"),
+    (lambda f: _corrupt(f, 36, "<Q", 2, trim=4), "varints, header says 2"),
+    (lambda f: _corrupt(f, 36, "<Q", 2**40), "pairs in a shard"),
+    (lambda f: _corrupt(f, 44, "<I", 2**31), "cannot hold"),
+    (lambda f: _corrupt(f, 48, "<H", 0), "name length 0"),
+    (lambda f: _recrc(f[:-4] + b"\0"), "header describes"),
+], ids=["no-crc", "short", "bit-flip", "magic", "version", "kind", "coding", "dtype",
+        "shard", "absurd-numel", "count>numel", "wrong-count", "wrong-count-sized",
+        "absurd-count",
+        "absurd-index-bytes", "name", "trailing"])
+def test_decoder_rejects_malformed(make, message):
+    with pytest.raises(ValueError, match=message):
+        decode_frame(make(_frame()))
+
+
+def test_decoder_rejects_out_of_range_indices():
+    # The last varint gap is re-encoded so the index lands beyond numel = 1000.
+    frame = _frame(1000, (0, 5, 999))
+    name_end = HEADER_BYTES + len("layer.weight")
+    index = varint_encode(np.array([0, 4, 1000], np.uint64)).tobytes()
+    body = bytearray(frame[:name_end])
+    struct.pack_into("<I", body, 44, len(index))
+    bad = _recrc(bytes(body) + index + frame[name_end + 4 : -4])  # old section was 4 bytes
+    with pytest.raises(ValueError, match=r"out of range|beyond numel"):
+        decode_frame(bad)
+    bitmap = _frame(1001, tuple(range(0, 1001, 2)))  # bitmap coding, padding bits zero
+    assert decode_frame(bitmap).coding is IndexCoding.BITMAP
+    body = bytearray(bitmap[:-4])
+    body[name_end + 125] |= 0x80  # bit 1007, past numel
+    with pytest.raises(ValueError, match="beyond numel"):
+        decode_frame(_recrc(bytes(body)))
+
+
+def test_decoder_rejects_non_canonical_varint():
+    with pytest.raises(ValueError, match="non-canonical"):
+        varint_decode(np.array([0x85, 0x00], np.uint8), 1)
+    with pytest.raises(ValueError, match="inside a varint"):
+        varint_decode(np.array([0x01, 0x85], np.uint8), 1)
