@@ -5,7 +5,7 @@ Launch on 2 ranks (each rank trains on its half of the training set)::
     horovodrun -np 2 -H localhost:2 --gloo python examples/digits.py --scheme onebit
     mpirun --allow-run-as-root -np 2 python examples/digits.py --scheme qsgd:bits=4
 
-Every rank prints nothing; rank 0 prints per-epoch loss, test accuracy and the bytes its
+Rank 0 prints per-epoch loss, test accuracy and the bytes its
 gradients took per step against float32. ``--compare`` first trains uncompressed with the
 same seed and epochs, so the two accuracies and byte counts stand side by side.
 """

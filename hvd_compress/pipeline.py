@@ -190,7 +190,8 @@ class Pipeline:
     def _check_finite(self, flights: list[_InFlight]) -> None:
         if not flights:
             return
-        finite = torch.stack([f.outcome.aggregate.isfinite().all().cpu() for f in flights])
+        # One device-to-host transfer for the whole step, not one per tensor.
+        finite = torch.stack([f.outcome.aggregate.isfinite().all() for f in flights]).cpu()
         if bool(finite.all()):
             return
         bad = [f for f, ok in zip(flights, finite.tolist()) if not ok]

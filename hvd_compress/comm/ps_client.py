@@ -19,6 +19,7 @@ import logging
 import os
 import random
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -75,14 +76,7 @@ def parse_addresses(spec: str | Sequence[str]) -> tuple[list[str], bool]:
     return addresses, tls
 
 
-def to_dense(numel: int, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """The flat dense tensor holding ``values`` at ``indices`` and zeros elsewhere."""
-    dense = torch.zeros(numel, dtype=values.dtype)
-    dense[indices] = values
-    return dense
-
-
-class _ShardedClient:
+class _ShardedClient(ABC):
     """Splitting pairs into shard frames and joining the aggregates; transports subclass."""
 
     addresses: list[str]
@@ -150,9 +144,10 @@ class _ShardedClient:
     def _error(self, tensor: str, round: int, shard: int, code: str, detail: str) -> PSError:
         return PSError(tensor, round, shard, self.addresses[shard], code, detail)
 
+    @abstractmethod
     def _exchange(self, tensor: str, round: int, pushes: list[bytes],
                   pulls: list[bytes]) -> list[bytes]:
-        raise NotImplementedError
+        """Send each shard its push frame and pull request; return each shard's reply."""
 
 
 class PSClient(_ShardedClient):

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from hvd_compress import wire
 from hvd_compress.comm.ops import AllReduce
 from hvd_compress.schemes.base import Exchange, ExchangeContext, Outcome, PackedScheme, Scheme
 
@@ -86,8 +87,7 @@ class BF16(PackedScheme):
         return x.to(torch.bfloat16).view(torch.uint8)
 
     def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
-        if payload.numel() != 2 * numel:
-            raise ValueError(f"bf16 payload has {payload.numel()} bytes, expected {2 * numel}")
+        (payload,) = wire.split_sections(payload, [2 * numel], "bf16 payload")
         if payload.storage_offset() % 2:
             payload = payload.clone()
         return payload.view(torch.bfloat16).to(torch.float32)

@@ -58,12 +58,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._requires_update: list[torch.Tensor] = []
         self._synchronized = False
         self._should_synchronize = True
-        self._hooks = []
         for group in self.param_groups:
             for p in group["params"]:
                 if p.requires_grad:
                     self._requires_update.append(p)
-                    self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+                    p.register_post_accumulate_grad_hook(self._on_grad)
 
     # Backward hook: start communication as soon as a gradient is complete ---------------
     def _on_grad(self, p: torch.Tensor) -> None:
