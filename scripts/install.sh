@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Install everything hvd-compress needs on a fresh Debian machine, idempotently:
 # OpenMPI and build tools from Debian, a virtual environment at .venv/, torch (CPU),
-# TensorFlow (CPU), Horovod 0.28.1 built with PyTorch, TensorFlow, Gloo and MPI, and the
-# project itself in editable mode. The Horovod wheel is cached outside the checkout
-# ($HVD_COMPRESS_CACHE, default ~/.cache/hvd-compress) so a second run takes seconds.
+# TensorFlow (CPU), Horovod 0.28.1 built with PyTorch, TensorFlow, Gloo and MPI, the
+# project itself in editable mode, and its native codec kernels. The Horovod wheel and the
+# kernels are cached outside the checkout ($HVD_COMPRESS_CACHE, default
+# ~/.cache/hvd-compress) so a second run takes seconds.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -79,6 +80,10 @@ if ! "$PY" -m pip show -q hvd-compress >/dev/null 2>&1; then
   log "installing hvd-compress (editable)"
   "${PIP[@]}" --no-deps --no-build-isolation -e "$ROOT"
 fi
+
+# 6. The native CPU codec kernels (hvd_compress/native/codecs.cpp, built with g++), cached
+#    in $CACHE/native per source and CPU; schemes build them on first use otherwise.
+log "native codec kernels: $(HVD_COMPRESS_CACHE="$CACHE" "$PY" -m hvd_compress.native)"
 
 TF_CPP_MIN_LOG_LEVEL=3 "$VENV/bin/horovodrun" --check-build
 log "ready: source $VENV/bin/activate"

@@ -3,10 +3,14 @@
 Throughput is float32 input bytes per second. The baseline, ``dst.copy_(src)`` of the same
 tensor, is timed alternately with each scheme (copy, scheme, copy, scheme, ...) and both
 take the median of ``repeat`` timings after a warm-up, so that load from other processes
-tends to hit both alike. What is timed per scheme:
+tends to hit both alike. The copy, torch's casts and the native kernels all run on torch's
+intra-op threads (``torch.get_num_threads()``, in the title: every core unless limited by
+``OMP_NUM_THREADS`` or ``torch.set_num_threads``). What is timed per scheme:
 
-* packed codecs (bf16, onebit, qsgd, terngrad): ``decode(encode(x, generator), n)``;
-* fp16: ``x.to(float16).to(float32)``, the casts of its exchange;
+* packed codecs (bf16, onebit, qsgd, terngrad): ``decode(encode(x, generator), n)``; on the
+  CPU onebit, qsgd and terngrad run the fused kernels of :mod:`hvd_compress.native`;
+* fp16: ``x.to(float16).to(float32)`` as its exchange does them (``compress`` and
+  ``decompress``, each into a fresh tensor);
 * powersgd: one step's local math through the scheme's own ``exchange`` run as the only
   rank (``P = M Q``, QR of ``P``, ``Q = M^T P``, and ``P Q^T`` twice: the aggregate and the
   part sent, for error feedback) on the tensor viewed as the squarest ``(n, m)`` matrix,
@@ -82,7 +86,7 @@ def make_kernel(spec: str, x: torch.Tensor) -> Kernel:
     n = x.numel()
     if isinstance(scheme, FP16):
         return Kernel(spec, "x.to(float16).to(float32)", (n,),
-                      lambda: x.to(torch.float16).to(torch.float32))
+                      lambda: scheme.decompress(*scheme.compress(x)))
     if isinstance(scheme, PackedScheme):
         # run() draws x from seed 0; the same stream here would correlate the noise with x.
         gen = torch.Generator().manual_seed(1)
@@ -132,7 +136,8 @@ TARGETS = tuple(Target({"scheme": spec, "numel": 64 << 20}, "ratio_to_copy", ">=
 
 def title(repeat: int) -> str:
     return (f"Encode+decode throughput (float32 input bytes/s), median of {repeat}, "
-            f"interleaved with dst.copy_(src); torch threads: {torch.get_num_threads()}")
+            f"interleaved with dst.copy_(src); threads (copy, casts and codec kernels): "
+            f"{torch.get_num_threads()}")
 
 
 def run(sizes: Sequence[int], repeat: int) -> list[Row]:

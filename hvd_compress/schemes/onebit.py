@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from hvd_compress import wire
+from hvd_compress import native, wire
 from hvd_compress.schemes.base import PackedScheme, bucket_view
 
 
@@ -28,6 +28,9 @@ class OneBit(PackedScheme):
     0.05 and momentum 0.9, 94.2% against 97.8% after 30 epochs (97.2% with
     ``bucket_size=128``). Smaller buckets or lower momentum help.
 
+    The scale is summed in float64 and rounded to float32 once. CPU tensors are coded by
+    :mod:`hvd_compress.native`, byte for byte as the torch code here does on other devices.
+
     Wire: ``ceil(n/8)`` bytes of sign bits (1 = non-negative; :func:`wire.pack_bits`), then
     ``ceil(n/bucket_size)`` float32 scales. With the default ``bucket_size=2048`` the payload
     is 32 / (1 + 32/2048) = 31.5x smaller than float32.
@@ -47,14 +50,18 @@ class OneBit(PackedScheme):
         return wire.bits_nbytes(numel) + 4 * buckets
 
     def encode(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        if native.active(x):
+            return native.encode("onebit", x, self.bucket_size, self.chunk_bytes(x.numel()))
         rows, counts = bucket_view(x, self.bucket_size)
-        scale = rows.abs().sum(dim=1) / counts
+        scale = (rows.abs().sum(dim=1, dtype=torch.float64) / counts).float()
         return torch.cat([wire.pack_bits(x >= 0), wire.floats_to_bytes(scale)])
 
     def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
         bits, scales = wire.split_sections(
             payload, [wire.bits_nbytes(numel), self.chunk_bytes(numel) - wire.bits_nbytes(numel)],
             "onebit payload")
+        if native.active(payload):
+            return native.decode("onebit", payload, numel, self.bucket_size)
         signs = wire.unpack_bits(bits, numel).to(torch.float32).mul_(2).sub_(1)
         scale = wire.bytes_to_floats(scales).repeat_interleave(self.bucket_size)[:numel]
         return signs.mul_(scale)

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from hvd_compress import wire
+from hvd_compress import native, wire
 from hvd_compress.schemes.base import PackedScheme, bucket_view
 
 
@@ -27,6 +27,12 @@ class QSGD(PackedScheme):
     ``d max_i|v_i|^2 / (4 s^2)``, below the 2-norm bound. With ``s = 7`` and ``d = 512`` the
     2-norm grid puts most elements of a dense bucket at level 0 or 1 and its noise is
     larger than the gradient; ``norm="l2"`` gives the paper's exact estimator.
+
+    ``s |v_i| / ||v||`` is computed as ``|v_i| * (s / ||v||)``, the 2-norm in float64 and
+    rounded to float32 once. CPU tensors are coded by :mod:`hvd_compress.native`, with the
+    same arithmetic and layout as the torch code here (which other devices run) but other
+    uniform draws: a counter-based hash keyed by one number from ``generator`` instead of
+    ``torch.rand``.
 
     Wire: the signed level ``sign * xi + s`` (in ``0 .. 2s``) as ``bits``-bit codes
     (:func:`wire.pack_codes`), then one float32 norm (scale) per bucket. Defaults ``bits=4``,
@@ -54,11 +60,17 @@ class QSGD(PackedScheme):
         return wire.codes_nbytes(numel, self.bits) + 4 * buckets
 
     def encode(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        if native.active(x):
+            return native.encode("qsgd", x, self.bucket_size, self.chunk_bytes(x.numel()),
+                                 self.bits, self.norm == "l2", native.seed(generator))
         s = self.levels
         rows, _ = bucket_view(x, self.bucket_size)
-        norm = rows.abs().amax(dim=1) if self.norm == "max" else rows.norm(dim=1)
-        scaled = rows.abs().div_(norm.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(1))
-        scaled = scaled.view(-1)[: x.numel()].mul_(s)
+        if self.norm == "max":
+            norm = rows.abs().amax(dim=1)
+        else:
+            norm = rows.double().square().sum(dim=1).sqrt().float()
+        inv = s / norm.clamp_min(torch.finfo(torch.float32).tiny)
+        scaled = rows.abs().mul_(inv.unsqueeze(1)).view(-1)[: x.numel()]
         noise = torch.rand(scaled.shape, generator=generator, device=x.device)
         level = scaled.add_(noise).floor_().clamp_(0, s).nan_to_num_(0.0)
         codes = torch.where(x < 0, s - level, s + level)
@@ -68,6 +80,8 @@ class QSGD(PackedScheme):
         code_bytes = wire.codes_nbytes(numel, self.bits)
         codes, norms = wire.split_sections(
             payload, [code_bytes, self.chunk_bytes(numel) - code_bytes], "qsgd payload")
+        if native.active(payload):
+            return native.decode("qsgd", payload, numel, self.bucket_size, self.bits)
         values = wire.unpack_codes(codes, numel, self.bits).to(torch.float32)
         scale = wire.bytes_to_floats(norms).div(self.levels)
         return values.sub_(self.levels).mul_(scale.repeat_interleave(self.bucket_size)[:numel])

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from hvd_compress import wire
+from hvd_compress import native, wire
 from hvd_compress.schemes.base import PackedScheme, bucket_view
 
 
@@ -21,6 +21,11 @@ class TernGrad(PackedScheme):
     so ``E[T(v)] = v``. With ``clip`` set (the paper uses 2.5), each bucket is first clipped
     to ``[-clip*sigma, clip*sigma]`` (``sigma`` its standard deviation), which shrinks ``s``
     and the variance but biases the estimate: pass ``error_feedback=True`` with it.
+
+    ``|v_i| / s`` is computed as ``|v_i| * (1 / s)``; the clipping statistics in float64,
+    the bound rounded to float32 once. CPU tensors are coded by :mod:`hvd_compress.native`,
+    with the same arithmetic and layout as the torch code here (which other devices run)
+    but other uniform draws: a counter-based hash keyed by one number from ``generator``.
 
     Wire: trits packed five per byte (1.6 bits per element, :func:`wire.pack_trits`), then
     one float32 scale per bucket. Default ``bucket_size=512``: 32 / (1.6 + 32/512) = 19.2x.
@@ -43,15 +48,20 @@ class TernGrad(PackedScheme):
         return wire.trits_nbytes(numel) + 4 * buckets
 
     def encode(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        if native.active(x):
+            return native.encode("terngrad", x, self.bucket_size, self.chunk_bytes(x.numel()),
+                                 self.clip or 0.0, native.seed(generator))
         rows, counts = bucket_view(x, self.bucket_size)
         if self.clip is not None:
-            mean = rows.sum(dim=1, keepdim=True) / counts.unsqueeze(1)
-            sq = (rows - mean).square()
+            rows64, counts64 = rows.double(), counts.double().unsqueeze(1)
+            mean = rows64.sum(dim=1, keepdim=True) / counts64
+            sq = (rows64 - mean).square()
             sq.view(-1)[x.numel():] = 0
-            bound = self.clip * (sq.sum(dim=1, keepdim=True) / counts.unsqueeze(1)).sqrt()
+            bound = (self.clip * (sq.sum(dim=1, keepdim=True) / counts64).sqrt()).float()
             rows = torch.maximum(torch.minimum(rows, bound), -bound)
         scale = rows.abs().amax(dim=1)
-        prob = rows.abs().div_(scale.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(1))
+        inv = 1 / scale.clamp_min(torch.finfo(torch.float32).tiny)
+        prob = rows.abs().mul_(inv.unsqueeze(1))
         prob = prob.view(-1)[: x.numel()]
         keep = torch.rand(prob.shape, generator=generator, device=x.device) < prob
         trits = torch.sign(rows.view(-1)[: x.numel()]).mul_(keep).nan_to_num_(0.0)
@@ -61,6 +71,8 @@ class TernGrad(PackedScheme):
         trit_bytes = wire.trits_nbytes(numel)
         trits, scales = wire.split_sections(
             payload, [trit_bytes, self.chunk_bytes(numel) - trit_bytes], "terngrad payload")
+        if native.active(payload):
+            return native.decode("terngrad", payload, numel, self.bucket_size)
         scale = wire.bytes_to_floats(scales).repeat_interleave(self.bucket_size)[:numel]
         return wire.unpack_trits(trits, numel).to(torch.float32).mul_(scale)
 

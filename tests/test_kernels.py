@@ -1,0 +1,144 @@
+"""The native CPU kernels (:mod:`hvd_compress.native`) against the schemes' torch code."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hvd_compress import Compression, native
+from hvd_compress.schemes.base import ExchangeContext, PackedScheme
+
+CODECS = [
+    Compression.onebit(), Compression.onebit(bucket_size=64), Compression.onebit(bucket_size=8),
+    *(Compression.qsgd(bits=b) for b in range(2, 9)),
+    Compression.qsgd(bits=4, bucket_size=51), Compression.qsgd(bits=3, bucket_size=50),
+    Compression.qsgd(bits=5, bucket_size=64, norm="l2"), Compression.qsgd(bits=2, norm="l2"),
+    Compression.terngrad(), Compression.terngrad(bucket_size=16),
+    Compression.terngrad(bucket_size=30, clip=2.5, error_feedback=True),
+]
+LENGTHS = [1, 7, 63, 64, 65, 1000, 100_003]  # the last is coded by several threads
+
+
+def gradient(n: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=gen) * torch.rand(n, generator=gen).square()
+
+
+def generator(step: int = 0) -> torch.Generator:
+    return ExchangeContext("w", 0, 1, step).generator("encode", torch.device("cpu"))
+
+
+def torch_encode(scheme: PackedScheme, x: torch.Tensor, step: int = 0) -> torch.Tensor:
+    with native.disabled():
+        return scheme.encode(x, generator(step))
+
+
+def torch_decode(scheme: PackedScheme, payload: torch.Tensor, n: int) -> torch.Tensor:
+    with native.disabled():
+        return scheme.decode(payload, n)
+
+
+def code_bytes(scheme: PackedScheme, n: int) -> int:
+    buckets = (n + scheme.bucket_size - 1) // scheme.bucket_size
+    return scheme.chunk_bytes(n) - 4 * buckets
+
+
+def test_kernels_are_built_and_used() -> None:
+    assert native.library() is not None, "the native kernels failed to build"
+    assert native.active(torch.zeros(1))
+    with native.disabled():
+        assert not native.active(torch.zeros(1))
+    assert native.active(torch.zeros(1))
+
+
+@pytest.mark.parametrize("scheme", CODECS, ids=repr)
+@pytest.mark.parametrize("n", LENGTHS)
+def test_both_paths_decode_every_payload_alike(scheme: PackedScheme, n: int) -> None:
+    x = gradient(n)
+    for payload in (torch_encode(scheme, x), scheme.encode(x, generator())):
+        assert payload.numel() == scheme.chunk_bytes(n)
+        assert torch.equal(scheme.decode(payload, n), torch_decode(scheme, payload, n))
+
+
+@pytest.mark.parametrize("scheme", CODECS, ids=repr)
+@pytest.mark.parametrize("n", LENGTHS)
+def test_scales_match_and_codes_are_valid(scheme: PackedScheme, n: int) -> None:
+    """Bytes equal for onebit (deterministic); for the stochastic schemes the scales are
+    equal and every decoded value is one of the two grid points around its input."""
+    x = gradient(n)
+    fast, reference = scheme.encode(x, generator()), torch_encode(scheme, x)
+    if scheme.name == "onebit":
+        assert torch.equal(fast, reference)
+        return
+    cut = code_bytes(scheme, n)
+    assert torch.equal(fast[cut:], reference[cut:])
+    scales = fast[cut:].clone().view(torch.float32).repeat_interleave(scheme.bucket_size)[:n]
+    step = scales / scheme.levels if scheme.name == "qsgd" else scales
+    decoded = scheme.decode(fast, n)
+    if scheme.name == "terngrad" and scheme.clip is not None:
+        x = torch.maximum(torch.minimum(x, scales), -scales)  # within the clipped range
+    assert bool((decoded * x >= 0).all())  # no sign flips
+    assert bool(((decoded - x).abs() <= step * (1 + 1e-6)).all())
+
+
+@pytest.mark.parametrize("scheme", [Compression.qsgd(), Compression.terngrad()], ids=repr)
+def test_draws_are_seeded_and_independent_of_threads(scheme: PackedScheme) -> None:
+    x = gradient(300_000)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = scheme.encode(x, generator())
+        torch.set_num_threads(2)
+        assert torch.equal(scheme.encode(x, generator()), single)
+    finally:
+        torch.set_num_threads(threads)
+    assert not torch.equal(scheme.encode(x, generator(step=1)), single)
+
+
+@pytest.mark.parametrize("scheme", [Compression.onebit(bucket_size=8), Compression.qsgd(bits=3,
+                                    bucket_size=8), Compression.terngrad(bucket_size=10)],
+                         ids=repr)
+def test_non_finite_buckets_decode_alike(scheme: PackedScheme) -> None:
+    x = gradient(40)
+    x[3], x[17], x[30] = float("nan"), float("inf"), float("-inf")
+    for payload in (torch_encode(scheme, x), scheme.encode(x, generator())):
+        torch.testing.assert_close(scheme.decode(payload, 40), torch_decode(scheme, payload, 40),
+                                   rtol=0, atol=0, equal_nan=True)
+    if scheme.name == "onebit":
+        assert torch.equal(scheme.encode(x, generator()), torch_encode(scheme, x))
+
+
+def test_decode_accepts_a_section_at_any_offset() -> None:
+    scheme = Compression.qsgd(bits=4, bucket_size=5)
+    x = gradient(23)
+    payload = scheme.encode(x, generator())
+    shifted = torch.cat([torch.zeros(3, dtype=torch.uint8), payload])[3:]
+    assert torch.equal(scheme.decode(shifted, 23), scheme.decode(payload, 23))
+
+
+@pytest.mark.parametrize("numel", [10, (native.HUGEPAGE_MIN_BYTES >> 2) + 3])
+def test_empty_gives_a_writable_tensor(numel: int) -> None:
+    out = native.empty(numel, torch.float32)
+    assert out.shape == (numel,) and out.dtype == torch.float32
+    out.fill_(2.0)
+    assert float(out.sum()) == 2.0 * numel
+
+
+@pytest.mark.parametrize("frac", [0.5, 0.01, 0.001, 0.999])
+@pytest.mark.parametrize("scheme", [Compression.qsgd(bits=8), Compression.terngrad()], ids=repr)
+def test_rounding_frequencies_are_unbiased(scheme: PackedScheme, frac: float) -> None:
+    """Over 2M elements of 8 steps, the share rounded up is the fraction to within 5 sigma."""
+    n, steps = 1 << 18, 8
+    grid = 1 / scheme.levels if scheme.name == "qsgd" else 1.0
+    level = 10 if scheme.name == "qsgd" else 0
+    x = torch.full((n,), (level + frac) * grid)
+    x[:: scheme.bucket_size] = 1.0  # each bucket's scale
+    rest = torch.ones(n, dtype=torch.bool)
+    rest[:: scheme.bucket_size] = False
+    up = 0
+    for step in range(steps):
+        decoded = scheme.decode(scheme.encode(x, generator(step)), n)[rest]
+        up += int((decoded > x[rest]).sum())
+    total = steps * int(rest.sum())
+    target = float(x[1]) / grid - level  # the fraction as float32 holds it
+    assert abs(up / total - target) <= 5 * (target * (1 - target) / total) ** 0.5
