@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from hvd_compress import Compression, native
+from hvd_compress.native import buffers
 from hvd_compress.schemes.base import ExchangeContext, PackedScheme
 
 CODECS = [
@@ -116,12 +117,22 @@ def test_decode_accepts_a_section_at_any_offset() -> None:
     assert torch.equal(scheme.decode(shifted, 23), scheme.decode(payload, 23))
 
 
-@pytest.mark.parametrize("numel", [10, (native.HUGEPAGE_MIN_BYTES >> 2) + 3])
-def test_empty_gives_a_writable_tensor(numel: int) -> None:
-    out = native.empty(numel, torch.float32)
-    assert out.shape == (numel,) and out.dtype == torch.float32
-    out.fill_(2.0)
-    assert float(out.sum()) == 2.0 * numel
+def test_large_buffers_are_recycled_once_released() -> None:
+    numel = (buffers.POOL_MIN_BYTES >> 2) + 3
+    first = native.empty(numel, torch.float32)
+    address = first.data_ptr()
+    view = first[5:].view(torch.uint8)
+    del first
+    held = native.empty(numel, torch.float32)  # a view still holds the first block
+    assert held.data_ptr() != address
+    held.fill_(2.0)
+    assert float(held.sum()) == 2.0 * numel
+    del view
+    assert native.empty(numel + 1, torch.float32).data_ptr() == address  # same 2 MiB size
+    assert buffers.pooled_bytes() >= 2 * buffers.BLOCK_ROUND
+    small = native.empty(10, torch.float16)
+    assert small.shape == (10,) and small.dtype == torch.float16
+    assert native.empty(numel, torch.float32, "meta").device.type == "meta"
 
 
 @pytest.mark.parametrize("frac", [0.5, 0.01, 0.001, 0.999])

@@ -30,14 +30,15 @@ from pathlib import Path
 
 import torch
 
+from hvd_compress.native.buffers import empty
+
+__all__ = ["active", "build", "decode", "disabled", "empty", "encode", "library", "seed"]
+
 SOURCE = Path(__file__).with_name("codecs.cpp")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp",
          "-std=c++17", "-shared", "-fPIC")
 """``-ffp-contract=off``: no fused multiply-adds, so the float32 arithmetic of every code
 is the torch reference's, operation for operation."""
-
-HUGEPAGE_MIN_BYTES = 4 << 20
-"""Outputs from this size on are backed by transparent huge pages (see :func:`empty`)."""
 
 _c_int64, _c_ptr = ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES: dict[str, tuple] = {
@@ -105,8 +106,6 @@ def _load() -> ctypes.CDLL:
         fn = getattr(lib, f"hvdc_{name}")
         fn.argtypes = [_c_ptr, _c_int64, _c_int64, _c_ptr, ctypes.c_int, *options]
         fn.restype = None
-    lib.hvdc_advise_hugepages.argtypes = [_c_ptr, _c_int64]
-    lib.hvdc_advise_hugepages.restype = None
     return lib
 
 
@@ -142,19 +141,6 @@ def disabled() -> Iterator[None]:
         _disabled.reset(token)
 
 
-def empty(numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-    """``torch.empty``; on the CPU from :data:`HUGEPAGE_MIN_BYTES` on, advised to use
-    transparent huge pages before first touch (Linux ``madvise``), which cuts the page
-    faults of writing a fresh buffer 512-fold."""
-    out = torch.empty(numel, dtype=dtype, device=device)
-    nbytes = out.numel() * out.element_size()
-    if out.device.type == "cpu" and nbytes >= HUGEPAGE_MIN_BYTES:
-        lib = library()
-        if lib is not None:
-            lib.hvdc_advise_hugepages(out.data_ptr(), nbytes)
-    return out
-
-
 def seed(generator: torch.Generator) -> int:
     """A 63-bit key for the kernels' random draws, taken from ``generator``."""
     return int(torch.empty((), dtype=torch.int64).random_(generator=generator))
@@ -172,7 +158,8 @@ def encode(kernel: str, x: torch.Tensor, bucket_size: int, nbytes: int,
 
 def decode(kernel: str, payload: torch.Tensor, numel: int, bucket_size: int,
            *options: int) -> torch.Tensor:
-    """Run ``hvdc_<kernel>_decode`` on a checked CPU payload: ``numel`` float32 values."""
+    """Run ``hvdc_<kernel>_decode`` on a checked CPU payload: ``numel`` float32 values
+    (in :func:`~hvd_compress.native.buffers.empty` memory)."""
     payload = payload.contiguous()
     out = empty(numel, torch.float32)
     fn = getattr(library(), f"hvdc_{kernel}_decode")

@@ -13,8 +13,6 @@
 //
 // Plain C ABI, called through ctypes (hvd_compress/native/__init__.py).
 
-#include <sys/mman.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -412,20 +410,6 @@ void hvdc_terngrad_encode(const float* x, int64_t n, int64_t bucket, uint8_t* ou
 void hvdc_terngrad_decode(const uint8_t* payload, int64_t n, int64_t bucket, float* out,
                           int threads) {
   decode(TernGrad{0.0, Key{0}}, payload, n, bucket, 0, out, threads);
-}
-
-// Ask for transparent huge pages on the whole 2 MiB pages inside [p, p + nbytes), before
-// they are first touched: one page fault per 2 MiB instead of per 4 KiB.
-void hvdc_advise_hugepages(void* p, int64_t nbytes) {
-#ifdef MADV_HUGEPAGE
-  constexpr uintptr_t kHuge = uintptr_t{1} << 21;
-  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(nbytes)) & ~(kHuge - 1);
-  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
-#else
-  (void)p;
-  (void)nbytes;
-#endif
 }
 
 }  // extern "C"

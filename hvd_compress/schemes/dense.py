@@ -1,8 +1,8 @@
 """Dense exchanges: the uncompressed all-reduce and the float16/bfloat16 casts.
 
 The casts write fresh tensors, which on the CPU come from :func:`hvd_compress.native.empty`
-(huge pages for large ones): filling a fresh buffer otherwise costs more in page faults
-than the conversion itself.
+(recycled memory for large ones): filling a fresh mapping otherwise costs more in page
+faults and zeroing than the conversion itself.
 """
 
 from __future__ import annotations
