@@ -18,6 +18,10 @@ documented so that another implementation could read them:
 * **Floats** (:func:`floats_to_bytes`): IEEE-754 float32, little-endian (the native order
   of every platform torch supports).
 
+The fused CPU kernels of :mod:`hvd_compress.native` (``codecs.cpp``) write and read the
+same layouts for 1-bit, QSGD and TernGrad payloads; a change here must be made there too
+(``tests/test_kernels.py`` compares the two).
+
 Payloads made of several sections are concatenations in a fixed, documented order; each
 scheme's docstring gives its order. The section sizes follow from the element count, so
 collective payloads carry no header. Frames that travel outside Horovod (to the parameter

@@ -10,7 +10,8 @@ build; ``scripts/install.sh`` builds it (``python -m hvd_compress.native``).
 Should the build fail at run time, a warning says why and the torch code runs instead.
 
 It is called through :mod:`ctypes` with the tensors' data pointers; ctypes releases the GIL
-for the call, so ranks run on threads encode in parallel.
+for the call, so ranks run on threads encode in parallel. Payloads and decoded values are
+written into :func:`~hvd_compress.native.buffers.empty` memory (recycled for large ones).
 """
 
 from __future__ import annotations
@@ -148,9 +149,10 @@ def seed(generator: torch.Generator) -> int:
 
 def encode(kernel: str, x: torch.Tensor, bucket_size: int, nbytes: int,
            *options: int | float) -> torch.Tensor:
-    """Run ``hvdc_<kernel>_encode`` on the float32 CPU tensor ``x``: ``nbytes`` of payload."""
+    """Run ``hvdc_<kernel>_encode`` on the float32 CPU tensor ``x``: ``nbytes`` of payload
+    (in :func:`~hvd_compress.native.buffers.empty` memory)."""
     x = x.reshape(-1).to(torch.float32).contiguous()
-    out = torch.empty(nbytes, dtype=torch.uint8)
+    out = empty(nbytes, torch.uint8)
     fn = getattr(library(), f"hvdc_{kernel}_encode")
     fn(x.data_ptr(), x.numel(), bucket_size, out.data_ptr(), torch.get_num_threads(), *options)
     return out
