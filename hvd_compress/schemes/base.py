@@ -125,8 +125,10 @@ class Scheme(ABC):
             f"{self!r} cannot run inside Horovod's stateless Compressor interface "
             "(hvd.DistributedOptimizer's compression=): it needs its own collectives and "
             "per-tensor state. Use hvd_compress.torch.DistributedOptimizer(optimizer, "
-            "named_parameters=..., compression=...) instead. Only Compression.none and "
-            "Compression.fp16 work with the stock optimizer.")
+            "named_parameters=..., compression=...) instead (for TensorFlow, "
+            "hvd_compress.tensorflow.DistributedGradientTape or "
+            "hvd_compress.tensorflow.keras.DistributedOptimizer). Only Compression.none and "
+            "Compression.fp16 work with the stock optimizer or tape.")
 
     def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
         return self.compress(tensor)[0]

@@ -69,11 +69,19 @@ class FP16(Scheme):
         return "Compression.fp16"
 
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        if not isinstance(tensor, torch.Tensor):  # TensorFlow, from hvd.DistributedGradientTape
+            from hvd_compress.tensorflow.compressor import fp16_compress
+
+            return fp16_compress(tensor)
         if tensor.dtype.is_floating_point:
             return cast(tensor, torch.float16), tensor.dtype
         return tensor, None
 
     def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        if not isinstance(tensor, torch.Tensor):
+            from hvd_compress.tensorflow.compressor import fp16_decompress
+
+            return fp16_decompress(tensor, ctx)
         return tensor if ctx is None else cast(tensor, ctx)
 
 
@@ -109,6 +117,10 @@ class BF16(PackedScheme):
         return "Compression.bf16"
 
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        if not isinstance(tensor, torch.Tensor):  # TensorFlow, from hvd.DistributedGradientTape
+            from hvd_compress.tensorflow.compressor import BF16_REFUSED
+
+            raise TypeError(BF16_REFUSED)
         raise TypeError(
             "Compression.bf16 cannot be used with Horovod's own hvd.DistributedOptimizer: "
             "Horovod 0.28.1's PyTorch all-reduce rejects bfloat16 tensors. Use "

@@ -1,0 +1,21 @@
+"""TensorFlow 2 binding: Horovod's ``DistributedGradientTape`` and ``broadcast_variables``
+with any scheme, and (in :mod:`hvd_compress.tensorflow.keras`) a Keras 3 optimizer wrapper.
+
+The schemes are the torch ones: gradients cross to torch and payloads come back to
+Horovod's TensorFlow collectives through DLPack, without copies
+(:mod:`hvd_compress.tensorflow.comm`). Call ``horovod.tensorflow.init()`` first.
+"""
+
+from hvd_compress.tensorflow.broadcast import broadcast_variables
+from hvd_compress.tensorflow.comm import HorovodTFCommunicator
+from hvd_compress.tensorflow.exchange import (
+    CompressionState,
+    GradientExchange,
+    XLACompileError,
+    compression_state,
+)
+from hvd_compress.tensorflow.tape import DistributedGradientTape
+
+__all__ = ["CompressionState", "DistributedGradientTape", "GradientExchange",
+           "HorovodTFCommunicator", "XLACompileError", "broadcast_variables",
+           "compression_state"]

@@ -1,0 +1,187 @@
+"""Communicator over Horovod's TensorFlow collectives, for payloads made by the torch schemes.
+
+Tensors cross between the frameworks through DLPack, without copies: a torch payload
+becomes a TensorFlow tensor over the same memory, Horovod's TensorFlow op reduces it, and
+the result comes back to torch the same way.
+
+Horovod's TensorFlow ops ignore ``name=`` in eager mode (every eager all-reduce is called
+``HorovodAllreduce``), so two eager collectives can never be in flight at once. This
+communicator therefore starts nothing in :meth:`~HorovodTFCommunicator.start`: it queues
+the request, and the first :meth:`~HorovodTFCommunicator.wait` runs every queued request
+together in one traced ``tf.function`` (one graph op per request, each named after its
+collective, all in flight together so Horovod fuses them). The pipeline queues all of a
+step's first rounds before it waits on any, so a step costs one graph call per round.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import horovod.tensorflow as hvd
+import tensorflow as tf
+import torch
+from torch.utils import dlpack as torch_dlpack
+
+from hvd_compress.comm.base import split_gathered
+from hvd_compress.comm.ops import AllGather, AllReduce, AllToAll, Collective, SparseSum, sum_pairs
+
+_ALIGNMENT = 64
+"""TensorFlow's kernels assume buffers aligned to 64 bytes (Eigen's aligned maps)."""
+
+
+def to_torch(tensor: tf.Tensor) -> torch.Tensor:
+    """The torch view of an eager TensorFlow tensor's memory (DLPack, no copy)."""
+    return torch_dlpack.from_dlpack(tf.experimental.dlpack.to_dlpack(tensor))
+
+
+def to_tf(tensor: torch.Tensor) -> tf.Tensor:
+    """A TensorFlow tensor over a torch tensor's memory (DLPack, no copy).
+
+    Copies only a tensor that is not contiguous or not 64-byte aligned (a view at an odd
+    offset), which TensorFlow's kernels could not read in place.
+    """
+    tensor = tensor.detach()
+    if not tensor.is_contiguous() or tensor.data_ptr() % _ALIGNMENT:
+        tensor = tensor.clone(memory_format=torch.contiguous_format)
+    return tf.experimental.dlpack.from_dlpack(torch_dlpack.to_dlpack(tensor))
+
+
+def collective_name(name: str) -> str:
+    """A name TensorFlow accepts for a graph op and Horovod keeps whole.
+
+    Horovod drops everything up to the last ``/`` of an op name, and TensorFlow allows only
+    ``[A-Za-z0-9_.-]`` besides; other characters become ``_`` and a short hash of the
+    original keeps distinct names distinct (identically on every rank).
+    """
+    safe = re.sub(r"[^A-Za-z0-9_.\-]", "_", name)
+    if safe == name and safe[:1].isalnum():
+        return name
+    digest = hashlib.blake2b(name.encode(), digest_size=4).hexdigest()
+    return f"hvdc.{safe.lstrip('_.-')}.{digest}"
+
+
+@dataclass
+class Request:
+    """One queued collective: its kind, name, TensorFlow inputs and, once run, outputs."""
+
+    kind: str
+    name: str
+    inputs: tuple[tf.Tensor, ...]
+    op: Collective | None = None
+    root_rank: int = 0
+    outputs: tuple[tf.Tensor, ...] | None = None
+
+    def signature(self) -> tuple[Any, ...]:
+        return (self.kind, self.name, self.root_rank,
+                tuple((t.dtype, t.shape.rank) for t in self.inputs))
+
+
+ALLREDUCE, ALLGATHER, ALLTOALL, BROADCAST = "allreduce", "allgather", "alltoall", "broadcast"
+_OUTPUTS = {ALLREDUCE: 1, ALLGATHER: 1, ALLTOALL: 2, BROADCAST: 1}
+_programs: dict[tuple[Any, ...], Callable[..., Any]] = {}
+
+
+def _trace(signature: tuple[tuple[Any, ...], ...], process_set: Any) -> Callable[..., Any]:
+    """A graph running one Horovod op per request, all concurrently."""
+    specs = [tf.TensorSpec([None] * rank, dtype)
+             for *_, inputs in signature for dtype, rank in inputs]
+
+    def program(*inputs: tf.Tensor) -> list[tf.Tensor]:
+        args = iter(inputs)
+        outputs: list[tf.Tensor] = []
+        for kind, name, root_rank, _ in signature:
+            x = next(args)
+            if kind == ALLREDUCE:
+                outputs.append(hvd.allreduce(x, op=hvd.Sum, name=name, ignore_name_scope=True,
+                                             process_set=process_set))
+            elif kind == ALLGATHER:
+                outputs.append(hvd.allgather(x, name=name, ignore_name_scope=True,
+                                             process_set=process_set))
+            elif kind == ALLTOALL:
+                outputs.extend(hvd.alltoall(x, splits=next(args), name=name,
+                                            ignore_name_scope=True, process_set=process_set))
+            else:
+                outputs.append(hvd.broadcast(x, root_rank, name=name, ignore_name_scope=True,
+                                             process_set=process_set))
+        return outputs
+
+    return tf.function(program, input_signature=specs, autograph=False,
+                       jit_compile=False).get_concrete_function()
+
+
+def run_requests(requests: Sequence[Request], process_set: Any) -> None:
+    """Run the requests' collectives together; fill each request's ``outputs``."""
+    if not requests:
+        return
+    signature = tuple(r.signature() for r in requests)
+    key = (process_set.process_set_id, signature)
+    program = _programs.get(key)
+    if program is None:
+        program = _programs[key] = _trace(signature, process_set)
+    outputs = program(*[x for r in requests for x in r.inputs])
+    position = 0
+    for request in requests:
+        count = _OUTPUTS[request.kind]
+        request.outputs = tuple(outputs[position:position + count])
+        position += count
+
+
+class HorovodTFCommunicator:
+    """The pipeline's collectives over ``horovod.tensorflow`` (Gloo or MPI).
+
+    ``start`` queues a request (see the module docstring); ``wait`` runs all queued requests
+    in one graph call if its own has not run yet, and returns torch tensors. Sparse sums go
+    as an ``allgather`` of (index, float32 bits) pairs; a parameter-server communicator can
+    wrap this one and take over :class:`~hvd_compress.comm.ops.SparseSum` requests.
+    """
+
+    def __init__(self, process_set: Any = None) -> None:
+        self.process_set = process_set if process_set is not None else hvd.global_process_set
+        self.rank = self.process_set.rank()
+        self.size = self.process_set.size()
+        self._queued: list[Request] = []
+
+    def start(self, name: str, op: Collective) -> Request:
+        tf_name = collective_name(name)
+        if isinstance(op, AllReduce):
+            request = Request(ALLREDUCE, tf_name, (to_tf(op.tensor),), op)
+        elif isinstance(op, AllGather):
+            request = Request(ALLGATHER, tf_name, (to_tf(op.tensor.reshape(-1)),), op)
+        elif isinstance(op, SparseSum):
+            # One (index, float32 bits) row per pair: rows from all ranks concatenate along
+            # dim 0 whatever each rank's count, and all that is needed is their sum.
+            pairs = torch.stack([op.indices.reshape(-1).to(torch.int32),
+                                 op.values.reshape(-1).to(torch.float32).view(torch.int32)],
+                                dim=1)
+            request = Request(ALLGATHER, tf_name, (to_tf(pairs),), op)
+        elif isinstance(op, AllToAll):
+            splits = tf.constant(op.splits, dtype=tf.int32)
+            request = Request(ALLTOALL, tf_name, (to_tf(op.tensor.reshape(-1)), splits), op)
+        else:
+            raise TypeError(f"unknown collective request {op!r}")
+        self._queued.append(request)
+        return request
+
+    def flush(self) -> None:
+        """Run every queued request now."""
+        queued, self._queued = self._queued, []
+        run_requests(queued, self.process_set)
+
+    def wait(self, request: Request) -> torch.Tensor | list[torch.Tensor]:
+        if request.outputs is None:
+            self.flush()
+        assert request.outputs is not None
+        op = request.op
+        result = to_torch(request.outputs[0])
+        if isinstance(op, AllReduce):
+            return result
+        if isinstance(op, AllGather):
+            return split_gathered(result, op.sizes)
+        if isinstance(op, SparseSum):
+            return sum_pairs(op.numel, result[:, 0], result[:, 1].contiguous().view(torch.float32))
+        received = request.outputs[1].numpy().tolist()
+        return list(torch.split(result, received))

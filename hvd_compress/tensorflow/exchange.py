@@ -1,0 +1,215 @@
+"""The pipeline behind the TensorFlow binding: TensorFlow gradients in, aggregates out.
+
+Gradients reach the torch schemes through DLPack (:mod:`hvd_compress.tensorflow.comm`) and
+run through the same :class:`~hvd_compress.pipeline.Pipeline` as the PyTorch binding, so
+each algorithm exists once. In eager mode the exchange runs at once; inside a
+``tf.function`` it runs as one ``tf.py_function`` per step, which executes eagerly at run
+time. XLA cannot compile a ``py_function``: building the exchange inside a function
+compiled with ``jit_compile=True`` (or a Keras model compiled with it) raises
+:class:`XLACompileError` at trace time, before anything runs.
+"""
+
+from __future__ import annotations
+
+import io
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import horovod.tensorflow as hvd
+import tensorflow as tf
+import torch
+from tensorflow.python.framework import ops as tf_ops
+from tensorflow.python.ops import control_flow_util
+
+from hvd_compress.pipeline import Pipeline, StepStats
+from hvd_compress.policy import Policy
+from hvd_compress.schemes.base import Scheme
+from hvd_compress.schemes.dense import NoCompression
+from hvd_compress.tensorflow.comm import HorovodTFCommunicator, to_tf, to_torch
+
+STATE_KEY = "hvd_compress"
+
+
+class XLACompileError(RuntimeError):
+    """The exchange was traced inside an XLA-compiled function, which cannot run it."""
+
+
+def check_not_xla() -> None:
+    """Raise :class:`XLACompileError` when tracing under ``jit_compile=True``."""
+    if control_flow_util.GraphOrParentsInXlaContext(tf_ops.get_default_graph()):
+        raise XLACompileError(
+            "hvd_compress cannot run inside an XLA-compiled function: its schemes run in torch "
+            "through tf.py_function, which XLA cannot compile. Compile the training step "
+            "without XLA: model.compile(..., jit_compile=False), or tf.function without "
+            "jit_compile=True.")
+
+
+def tensor_name(position: int) -> str:
+    """The name of the gradient of the variable at ``position`` in the list being exchanged
+    (the tape's sources, or the Keras optimizer's variable index).
+
+    It keys the residuals and scheme state, names the collectives and seeds the random
+    streams. Positions are used rather than variable names because Keras numbers its layers
+    per process (``dense_3/kernel`` in a model rebuilt to resume from a checkpoint was
+    ``dense/kernel`` before): every rank and every rebuild of the model agrees on positions.
+    """
+    return f"var.{position}"
+
+
+def validate(compression: Scheme | None, op: Any, gradient_predivide_factor: float,
+             groups: Any, num_groups: int) -> Scheme:
+    """Check the Horovod-style arguments shared by the tape and the Keras optimizer."""
+    compression = compression if compression is not None else NoCompression()
+    if not isinstance(compression, Scheme):
+        raise TypeError(f"compression must be one of hvd_compress.Compression's schemes, got "
+                        f"{compression!r} (Horovod's own hvd.Compression objects go to "
+                        "Horovod's own tape)")
+    if op not in (hvd.Average, hvd.Sum):
+        raise ValueError("op must be hvd.Average or hvd.Sum; Adasum does not compose with "
+                         "gradient compression")
+    if gradient_predivide_factor != 1.0 and op != hvd.Average:
+        raise ValueError("gradient_predivide_factor is only supported with op=hvd.Average")
+    if groups is not None or num_groups:
+        raise ValueError("groups/num_groups are not supported by hvd_compress; omit them "
+                         "(Horovod's tensor fusion still batches small tensors)")
+    return compression
+
+
+class GradientExchange:
+    """One :class:`Pipeline` over Horovod's TensorFlow collectives.
+
+    Args mirror Horovod's: ``op`` (``hvd.Average`` or ``hvd.Sum``),
+    ``gradient_predivide_factor``, ``process_set``; ``policy`` and ``seed`` as in
+    :class:`~hvd_compress.pipeline.Pipeline`. ``sparse_as_dense`` turns ``tf.IndexedSlices``
+    gradients (embeddings) into dense tensors; without it they are refused.
+    """
+
+    def __init__(self, compression: Scheme, op: Any = hvd.Average,
+                 gradient_predivide_factor: float = 1.0, process_set: Any = None,
+                 policy: Policy | None = None, seed: int = 0,
+                 sparse_as_dense: bool = False) -> None:
+        self.process_set = process_set if process_set is not None else hvd.global_process_set
+        self.options = self.normalize(
+            {"op": op, "gradient_predivide_factor": gradient_predivide_factor,
+             "process_set": self.process_set, "policy": policy, "seed": seed,
+             "sparse_as_dense": sparse_as_dense})
+        self.sparse_as_dense = sparse_as_dense
+        self.pipeline = Pipeline(compression, HorovodTFCommunicator(self.process_set), policy,
+                                 average=(op == hvd.Average),
+                                 prescale=gradient_predivide_factor, seed=seed)
+
+    @staticmethod
+    def normalize(options: dict[str, Any]) -> dict[str, Any]:
+        """Options as compared between two uses of one compression object."""
+        process_set = options.get("process_set")
+        process_set = process_set if process_set is not None else hvd.global_process_set
+        return {**options, "process_set": process_set.process_set_id}
+
+    def reduce(self, names: Sequence[str], grads: Sequence[Any]) -> list[Any]:
+        """Aggregate ``grads`` (``None`` entries pass through); eager or traced."""
+        present = [i for i, g in enumerate(grads) if g is not None]
+        tensors = [self._dense(names[i], grads[i]) for i in present]
+        if not tensors:
+            return list(grads)
+        keys = [names[i] for i in present]
+        if tf.executing_eagerly():
+            reduced = self._reduce_now(keys, *tensors)
+        else:
+            check_not_xla()
+            reduced = tf.py_function(lambda *xs: self._reduce_now(keys, *xs), tensors,
+                                     Tout=[t.dtype for t in tensors],
+                                     name="hvd_compress_exchange")
+            for out, tensor in zip(reduced, tensors):
+                out.set_shape(tensor.shape)
+        result = list(grads)
+        for i, out in zip(present, reduced):
+            result[i] = out
+        return result
+
+    def _dense(self, name: str, grad: Any) -> tf.Tensor:
+        if isinstance(grad, tf.IndexedSlices):
+            if not self.sparse_as_dense:
+                raise TypeError(f"the gradient of {name!r} is a tf.IndexedSlices (an embedding "
+                                "lookup); hvd_compress compresses dense gradients: pass "
+                                "sparse_as_dense=True")
+        return tf.convert_to_tensor(grad)
+
+    def _reduce_now(self, names: Sequence[str], *tensors: tf.Tensor) -> list[tf.Tensor]:
+        results = self.pipeline.reduce({n: to_torch(t) for n, t in zip(names, tensors)})
+        return [to_tf(results[n]) for n in names]
+
+    @property
+    def last_step(self) -> StepStats:
+        return self.pipeline.last_step
+
+    @property
+    def total(self) -> StepStats:
+        return self.pipeline.total
+
+
+class CompressionState(tf.train.experimental.PythonState):
+    """The exchange state of one compression object, as a checkpointable object.
+
+    Holds the pipeline's residuals, scheme state (PowerSGD's ``Q``, DGC's momentum) and step
+    counters; ``tf.train.Checkpoint`` saves it as one string and restores it exactly. The
+    state is this rank's own (error-feedback residuals differ between ranks): for an exact
+    resume every rank saves and restores its own checkpoint. A state restored before the
+    first step is applied when the exchange is created.
+    """
+
+    def __init__(self, compression: Scheme) -> None:
+        self.compression = compression
+        self.exchange: GradientExchange | None = None
+        self._restored: dict[str, Any] | None = None
+
+    def exchange_for(self, **options: Any) -> GradientExchange:
+        """The exchange with these :class:`GradientExchange` options, created on first use
+        (loading a state restored before it existed)."""
+        if self.exchange is None:
+            exchange = GradientExchange(self.compression, **options)
+            if self._restored is not None:
+                exchange.pipeline.load_state_dict(self._restored)
+                self._restored = None
+            self.exchange = exchange
+        elif self.exchange.options != GradientExchange.normalize(options):
+            raise ValueError(
+                f"{self.compression!r} is already used with other options "
+                f"({self.exchange.options}); the compression object carries the exchange "
+                "state from step to step, so give each configuration its own compression "
+                "object")
+        return self.exchange
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.exchange is not None:
+            return self.exchange.pipeline.state_dict()
+        return dict(self._restored or {})
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not state:
+            return
+        if self.exchange is not None:
+            self.exchange.pipeline.load_state_dict(state)
+        else:
+            self._restored = state
+
+    def serialize(self) -> bytes:
+        buffer = io.BytesIO()
+        torch.save(self.state_dict(), buffer)
+        return buffer.getvalue()
+
+    def deserialize(self, string_value: bytes) -> None:
+        self.load_state_dict(torch.load(io.BytesIO(string_value), weights_only=True))
+
+
+_states: weakref.WeakKeyDictionary[Scheme, CompressionState] = weakref.WeakKeyDictionary()
+
+
+def compression_state(compression: Scheme) -> CompressionState:
+    """The checkpointable exchange state that ``DistributedGradientTape`` keeps for
+    ``compression``: ``tf.train.Checkpoint(model=..., optimizer=...,
+    compression=compression_state(compression))``."""
+    state = _states.get(compression)
+    if state is None:
+        state = _states[compression] = CompressionState(compression)
+    return state

@@ -1,0 +1,179 @@
+"""Keras 3: ``DistributedOptimizer`` with any scheme, and the initial-weights broadcast.
+
+Horovod 0.28.1's own ``horovod.tensorflow.keras.DistributedOptimizer`` does not synchronise
+under Keras 3: it hooks ``get_gradients``/``_compute_gradients``/``_aggregate_gradients``,
+which Keras 3's ``fit`` never calls, so every rank applies its own gradients without an
+error. This wrapper overrides ``apply``, the one method every Keras 3 update goes through
+(``fit``, ``train_on_batch`` and ``apply_gradients``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import horovod.tensorflow as hvd
+import keras
+import numpy as np
+
+from hvd_compress.pipeline import StepStats
+from hvd_compress.policy import Policy
+from hvd_compress.schemes.base import Scheme
+from hvd_compress.tensorflow.broadcast import broadcast_variables
+from hvd_compress.tensorflow.exchange import (
+    STATE_KEY,
+    CompressionState,
+    GradientExchange,
+    tensor_name,
+    validate,
+)
+
+
+class _DistributedOptimizer(keras.optimizers.Optimizer):
+    """Methods mixed into the user's optimizer class (see :func:`DistributedOptimizer`)."""
+
+    def _hvdc_setup(self, exchange: GradientExchange, scale_local_gradients: bool) -> None:
+        # An attribute holding a trackable: tf.train.Checkpoint(optimizer=...) saves it.
+        self.hvd_compress_state = CompressionState(exchange.pipeline.scheme)
+        self.hvd_compress_state.exchange = exchange
+        self._hvdc_scale_local = scale_local_gradients
+        self._hvdc_local: set[Any] = set()
+
+    def register_local_var(self, var: Any) -> None:
+        """Keep this variable's gradient local (no exchange), as in Horovod."""
+        self._hvdc_local.add(id(var))
+
+    def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
+        """Exchange ``grads`` over the process set, then apply them with the wrapped
+        optimizer's update rule."""
+        variables = list(trainable_variables if trainable_variables is not None
+                         else self._trainable_variables)
+        grads = list(grads)
+        if not self.built:  # as the wrapped apply() would, to know each variable's index
+            with keras.name_scope(self.name, caller=self):
+                self.build(variables)
+        exchange = self.hvd_compress_state.exchange
+        shared = [i for i, v in enumerate(variables) if id(v) not in self._hvdc_local]
+        names = [tensor_name(self._get_variable_index(variables[i])) for i in shared]
+        reduced = exchange.reduce(names, [grads[i] for i in shared])
+        for i, grad in zip(shared, reduced):
+            grads[i] = grad
+        if self._hvdc_scale_local and len(shared) < len(grads):
+            size = exchange.process_set.size()
+            for i, variable in enumerate(variables):
+                if id(variable) in self._hvdc_local and grads[i] is not None:
+                    grads[i] = grads[i] / size
+        return super(self.__class__, self).apply(grads, trainable_variables)
+
+    @property
+    def compression_stats(self) -> StepStats:
+        """Bytes of the last completed step on this rank (see :class:`StepStats`)."""
+        return self.hvd_compress_state.exchange.last_step
+
+    @property
+    def compression_totals(self) -> StepStats:
+        """Bytes summed over all steps so far on this rank."""
+        return self.hvd_compress_state.exchange.total
+
+    def save_own_variables(self, store: Any) -> None:
+        """The wrapped optimizer's variables plus this rank's compression state (Keras'
+        ``.weights.h5`` / ``.keras`` files)."""
+        super(self.__class__, self).save_own_variables(store)
+        store[STATE_KEY] = np.frombuffer(self.hvd_compress_state.serialize(), np.uint8)
+
+    def load_own_variables(self, store: Any) -> None:
+        variables = {key: store[key] for key in store.keys() if key != STATE_KEY}
+        super(self.__class__, self).load_own_variables(variables)
+        if STATE_KEY in store.keys():
+            data = np.asarray(store[STATE_KEY], dtype=np.uint8).tobytes()
+            self.hvd_compress_state.deserialize(data)
+
+
+def DistributedOptimizer(
+    optimizer: keras.optimizers.Optimizer,
+    name: str | None = None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Scheme | None = None,
+    sparse_as_dense: bool = False,
+    gradient_predivide_factor: float = 1.0,
+    op: Any = hvd.Average,
+    backward_passes_per_step: int = 1,
+    average_aggregated_gradients: bool = False,
+    num_groups: int = 0,
+    groups: Any = None,
+    process_set: Any = hvd.global_process_set,
+    scale_local_gradients: bool = True,
+    *,
+    policy: Policy | None = None,
+    seed: int = 0,
+) -> keras.optimizers.Optimizer:
+    """A Keras 3 optimizer that exchanges gradients with ``compression`` before every update.
+
+    The arguments and their meaning are those of
+    ``horovod.tensorflow.keras.DistributedOptimizer``; the result is a new optimizer of the
+    same class built from ``optimizer.get_config()`` (pass it to ``model.compile``).
+    ``register_local_var(v)`` keeps a variable's gradient local. ``device_dense`` /
+    ``device_sparse`` are accepted for compatibility (the exchange runs where the gradients
+    are). ``backward_passes_per_step`` must be 1: for local accumulation use Keras 3's own
+    ``gradient_accumulation_steps`` on the wrapped optimizer (the exchange then runs on every
+    micro-batch). ``groups``/``num_groups`` and ``op=hvd.Adasum`` raise ``ValueError``.
+
+    The compression state (this rank's residuals, scheme state, step counters) is saved with
+    the optimizer: by ``tf.train.Checkpoint(optimizer=...)`` (attribute
+    ``hvd_compress_state``) and in Keras weight files. Not usable under XLA: compile the
+    model with ``jit_compile=False`` (Keras' default on CPU; with ``"auto"`` on a GPU the
+    first ``fit`` raises :class:`~hvd_compress.tensorflow.XLACompileError`).
+
+    Additional keyword arguments: ``policy`` (which tensors are compressed) and ``seed``
+    (base of the schemes' random streams; the same on every rank).
+    """
+    del device_dense, device_sparse  # the exchange runs on the gradients' own device
+    compression = validate(compression, op, gradient_predivide_factor, groups, num_groups)
+    if backward_passes_per_step != 1 or average_aggregated_gradients:
+        raise ValueError("backward_passes_per_step must be 1 (and average_aggregated_gradients "
+                         "False): set gradient_accumulation_steps on the Keras optimizer "
+                         "instead")
+    exchange = GradientExchange(compression, op=op,
+                                gradient_predivide_factor=gradient_predivide_factor,
+                                process_set=process_set, policy=policy, seed=seed,
+                                sparse_as_dense=sparse_as_dense)
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
+               dict(_DistributedOptimizer.__dict__))
+    config = optimizer.get_config()
+    if name is not None:
+        config["name"] = name
+    wrapped = cls.from_config(config)
+    wrapped._hvdc_setup(exchange, scale_local_gradients)
+    return wrapped
+
+
+class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
+    """Broadcast the model's variables and the optimizer's state from ``root_rank`` when
+    training starts, so every rank begins from the same weights.
+
+    Works with Keras 3 models (Horovod 0.28.1's callback and ``hvd.broadcast_variables``
+    fail on Keras 3 variables). Runs once, before the first step; the optimizer is built
+    first if it has not been, so its slots exist on every rank. Compression state is not
+    broadcast: it is each rank's own and starts empty.
+    """
+
+    def __init__(self, root_rank: int = 0, process_set: Any = hvd.global_process_set) -> None:
+        super().__init__()
+        self.root_rank = root_rank
+        self.process_set = process_set
+        self.broadcast_done = False
+
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        if self.broadcast_done:
+            return
+        variables = list(self.model.variables)
+        optimizer = getattr(self.model, "optimizer", None)
+        if optimizer is not None:
+            if not optimizer.built:
+                optimizer.build(self.model.trainable_variables)
+            variables += list(optimizer.variables)
+        broadcast_variables(variables, self.root_rank, self.process_set)
+        self.broadcast_done = True
+
+
+__all__ = ["BroadcastGlobalVariablesCallback", "DistributedOptimizer"]

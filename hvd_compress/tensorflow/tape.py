@@ -1,0 +1,108 @@
+"""``DistributedGradientTape``: Horovod's TensorFlow tape, with any scheme."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import horovod.tensorflow as hvd
+import tensorflow as tf
+
+from hvd_compress.policy import Policy
+from hvd_compress.schemes.base import Scheme
+from hvd_compress.tensorflow.exchange import (
+    GradientExchange,
+    compression_state,
+    tensor_name,
+    validate,
+)
+
+
+class _DistributedGradientTape(tf.GradientTape):
+    """Methods mixed into the user's tape class (see :func:`DistributedGradientTape`)."""
+
+    def __init__(self, tape: Any, exchange: GradientExchange, persistent: bool,
+                 watch_accessed_variables: bool, scale_local_gradients: bool) -> None:
+        super(self.__class__, self).__init__(persistent, watch_accessed_variables)
+        self._tape = tape
+        self._exchange = exchange
+        self._scale_local_gradients = scale_local_gradients
+        self._local_sources: set[int] = set()
+
+    def register_local_source(self, source: tf.Variable) -> None:
+        """Keep this variable's gradient local (no exchange), as in Horovod."""
+        self._local_sources.add(id(source))
+
+    def gradient(self, target: Any, sources: Any, output_gradients: Any = None,
+                 unconnected_gradients: Any = tf.UnconnectedGradients.NONE) -> Any:
+        """The gradients of ``target``, exchanged with the compression scheme and averaged
+        (or summed) over the process set; same structure as ``sources``."""
+        flat_sources = tf.nest.flatten(sources)
+        grads = super(self.__class__, self).gradient(target, flat_sources, output_gradients,
+                                                     unconnected_gradients)
+        shared = [i for i, s in enumerate(flat_sources) if id(s) not in self._local_sources]
+        reduced = self._exchange.reduce([tensor_name(i) for i in shared],
+                                        [grads[i] for i in shared])
+        result = list(grads)
+        for i, grad in zip(shared, reduced):
+            result[i] = grad
+        if self._scale_local_gradients and len(shared) < len(result):
+            size = self._exchange.process_set.size()
+            for i, source in enumerate(flat_sources):
+                if id(source) in self._local_sources and result[i] is not None:
+                    result[i] = _scaled(result[i], 1.0 / size)
+        return tf.nest.pack_sequence_as(sources, result)
+
+
+def _scaled(grad: Any, factor: float) -> Any:
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(grad.values * factor, grad.indices, grad.dense_shape)
+    return grad * factor
+
+
+def DistributedGradientTape(
+    gradtape: tf.GradientTape,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Scheme | None = None,
+    sparse_as_dense: bool = False,
+    op: Any = hvd.Average,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: Any = None,
+    process_set: Any = hvd.global_process_set,
+    scale_local_gradients: bool = True,
+    *,
+    policy: Policy | None = None,
+    seed: int = 0,
+) -> tf.GradientTape:
+    """Wrap ``gradtape`` so that ``gradient()`` returns gradients averaged over all ranks and
+    exchanged with ``compression``.
+
+    The arguments and their meaning are those of ``horovod.tensorflow.DistributedGradientTape``
+    (``op`` is ``hvd.Average`` or ``hvd.Sum``; ``gradient_predivide_factor`` divides before
+    the sum and multiplies after; ``register_local_source`` keeps a variable's gradient
+    local, divided by the size if ``scale_local_gradients``). ``device_dense`` and
+    ``device_sparse`` are accepted for compatibility: the exchange runs where the gradients
+    are. Works eagerly and inside ``tf.function``; not under XLA (``jit_compile=True``
+    raises :class:`~hvd_compress.tensorflow.XLACompileError` when traced, see
+    :mod:`hvd_compress.tensorflow.exchange`).
+
+    The exchange state (error-feedback residuals, PowerSGD's ``Q``, step counters) belongs to
+    the ``compression`` object, which lives across steps while a tape is made per step:
+    create the scheme once, outside the training step, use it for one list of sources (the
+    state is keyed by position in that list), and checkpoint it with
+    ``compression_state(compression)``.
+
+    Additional keyword arguments: ``policy`` (which tensors are compressed, see
+    :class:`hvd_compress.Policy`) and ``seed`` (base of the schemes' random streams; the same
+    on every rank). ``groups``/``num_groups`` and ``op=hvd.Adasum`` raise ``ValueError``.
+    """
+    del device_dense, device_sparse  # the exchange runs on the gradients' own device
+    compression = validate(compression, op, gradient_predivide_factor, groups, num_groups)
+    exchange = compression_state(compression).exchange_for(
+        op=op, gradient_predivide_factor=gradient_predivide_factor, process_set=process_set,
+        policy=policy, seed=seed, sparse_as_dense=sparse_as_dense)
+    cls = type(gradtape.__class__.__name__, (gradtape.__class__,),
+               dict(_DistributedGradientTape.__dict__))
+    return cls(gradtape._tape, exchange, gradtape._persistent,
+               gradtape._watch_accessed_variables, scale_local_gradients)

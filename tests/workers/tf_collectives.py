@@ -1,0 +1,72 @@
+"""Rank-side halves of tests/test_tensorflow.py that compare the TensorFlow binding's
+aggregates with the torch binding's (run under horovodrun or mpirun)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import horovod.tensorflow as hvd_tf
+import horovod.torch as hvd
+import tensorflow as tf
+import torch
+
+from hvd_compress import Compression, Pipeline, Policy
+from hvd_compress.comm.horovod_torch import HorovodTorchCommunicator
+from hvd_compress.tensorflow import GradientExchange
+
+
+@contextmanager
+def horovod_tf() -> Iterator[None]:
+    """Horovod's TensorFlow library, started next to the torch one ``tests.rank_main``
+    starts, and shut down first: under MPI, the torch library's shutdown finalises MPI
+    while the TensorFlow library's background thread still calls it (a segfault)."""
+    hvd_tf.init()
+    try:
+        yield
+    finally:
+        hvd_tf.shutdown()
+
+
+SHAPES = [(33, 17), (256, 40), (1000,), (6, 3, 3, 3)]
+POLICY = Policy(min_numel=1, compress_1d=True)
+
+
+def _inputs(steps: int) -> list[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(100 + hvd.rank())
+    return [{f"t{i}": torch.randn(shape, generator=gen) for i, shape in enumerate(SHAPES)}
+            for _ in range(steps)]
+
+
+def _tf_steps(spec: str, steps: list[dict[str, torch.Tensor]], traced: bool
+              ) -> list[dict[str, torch.Tensor]]:
+    exchange = GradientExchange(Compression.parse(spec), policy=POLICY)
+    names = list(steps[0])
+
+    def reduce(*grads: tf.Tensor) -> list[tf.Tensor]:
+        return exchange.reduce(names, list(grads))
+
+    run = tf.function(reduce) if traced else reduce
+    out = []
+    for tensors in steps:
+        result = run(*[tf.constant(t.numpy()) for t in tensors.values()])
+        out.append({n: torch.from_numpy(r.numpy()) for n, r in zip(names, result)})
+    return out
+
+
+def aggregates(specs: list[str], steps: int = 2) -> dict[str, Any]:
+    """Per scheme and step: the torch binding's aggregate, and the TensorFlow binding's,
+    eager and inside ``tf.function``, for the same rank-specific inputs."""
+    inputs = _inputs(steps)
+    out: dict[str, Any] = {}
+    with horovod_tf():
+        for spec in specs:
+            pipe = Pipeline(Compression.parse(spec), HorovodTorchCommunicator(), POLICY)
+            out[spec] = {"torch": [pipe.reduce(t) for t in inputs],
+                         "eager": _tf_steps(spec, inputs, traced=False),
+                         "function": _tf_steps(spec, inputs, traced=True)}
+    return out
