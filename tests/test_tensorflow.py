@@ -4,11 +4,16 @@ checkpoints, convergence, and the Horovod 0.28.1 + Keras 3 failures it fixes."""
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
-from tests.harness import LAUNCHERS, run_ranks
+from hvd_compress.bench.kernels import KERNEL_SCHEMES
+from tests.harness import LAUNCHERS, run_command, run_ranks
 
 pytestmark = pytest.mark.multiprocess
 
@@ -29,6 +34,8 @@ def test_aggregates_equal_the_torch_binding_bit_for_bit(launcher: str) -> None:
     eagerly and inside tf.function, over two steps (error feedback and state carried)."""
     ranks = run_ranks("tests.workers.tf_collectives:aggregates", launcher=launcher,
                       specs=EXCHANGE_SPECS, steps=2)
+    for result in ranks:
+        assert result["zero_copy"] == {"torch_to_tf": True, "tf_to_torch": True}
     for spec in EXCHANGE_SPECS:
         for rank, result in enumerate(ranks):
             for step, expected in enumerate(result[spec]["torch"]):
@@ -111,3 +118,16 @@ def test_keras_digits_converge_like_uncompressed() -> None:
     assert baseline > 94, accuracy
     for spec, acc in accuracy.items():
         assert acc >= baseline - 1.0, f"{spec}: {acc:.2f}% vs uncompressed {baseline:.2f}%"
+
+
+def test_dlpack_overhead_benchmark_reports_both_paths(tmp_path: Path) -> None:
+    out = tmp_path / "rows.json"
+    done = run_command([sys.executable, "-m", "hvd_compress.bench.kernels_tf", "--sizes", "4K",
+                        "--repeat", "1", "--json", str(out)], timeout=120)
+    assert done.returncode == 0, done.stdout[-3000:]
+    rows = json.loads(out.read_text())
+    assert {row["scheme"] for row in rows} == set(KERNEL_SCHEMES)
+    for row in rows:
+        assert row["torch_seconds"] > 0 and row["tf_seconds"] > 0
+        assert row["tf_over_torch"] == pytest.approx(row["tf_seconds"] / row["torch_seconds"])
+    assert "TF/torch" in done.stdout

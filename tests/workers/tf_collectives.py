@@ -18,6 +18,7 @@ import torch
 from hvd_compress import Compression, Pipeline, Policy
 from hvd_compress.comm.horovod_torch import HorovodTorchCommunicator
 from hvd_compress.tensorflow import GradientExchange
+from hvd_compress.tensorflow.comm import to_tf, to_torch
 
 
 @contextmanager
@@ -38,8 +39,19 @@ POLICY = Policy(min_numel=1, compress_1d=True)
 
 def _inputs(steps: int) -> list[dict[str, torch.Tensor]]:
     gen = torch.Generator().manual_seed(100 + hvd.rank())
-    return [{f"t{i}": torch.randn(shape, generator=gen) for i, shape in enumerate(SHAPES)}
-            for _ in range(steps)]
+    # Names with "/" as Keras paths have: the collectives' names must keep them apart.
+    return [{f"layer{i}/kernel": torch.randn(shape, generator=gen)
+             for i, shape in enumerate(SHAPES)} for _ in range(steps)]
+
+
+def _zero_copy() -> dict[str, bool]:
+    """Whether DLPack hands tensors over without copies, both ways."""
+    x = torch.randn(1000)
+    t = tf.zeros([1000]) + 1.0
+    view = to_torch(t)
+    view[0] = 5.0  # visible from TensorFlow only if the memory is shared
+    return {"torch_to_tf": to_torch(to_tf(x)).data_ptr() == x.data_ptr(),
+            "tf_to_torch": float(t[0]) == 5.0}
 
 
 def _tf_steps(spec: str, steps: list[dict[str, torch.Tensor]], traced: bool
@@ -62,7 +74,7 @@ def aggregates(specs: list[str], steps: int = 2) -> dict[str, Any]:
     """Per scheme and step: the torch binding's aggregate, and the TensorFlow binding's,
     eager and inside ``tf.function``, for the same rank-specific inputs."""
     inputs = _inputs(steps)
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"zero_copy": _zero_copy()}
     with horovod_tf():
         for spec in specs:
             pipe = Pipeline(Compression.parse(spec), HorovodTorchCommunicator(), POLICY)
