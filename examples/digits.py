@@ -5,9 +5,21 @@ Launch on 2 ranks (each rank trains on its half of the training set)::
     horovodrun -np 2 -H localhost:2 --gloo python examples/digits.py --scheme onebit
     mpirun --allow-run-as-root -np 2 python examples/digits.py --scheme qsgd:bits=4
 
+Sparse schemes (top-k, DGC) send their pairs to a parameter server, over gRPC::
+
+    python -m ps_server --workers 2 --bind 127.0.0.1:7070 &
+    horovodrun -np 2 -H localhost:2 --gloo python examples/digits.py \
+        --scheme topk:ratio=0.01 --ps grpc://127.0.0.1:7070
+
+or as extra ranks of one MPMD launch, over MPI::
+
+    mpirun --allow-run-as-root -np 2 python examples/digits.py --scheme topk:ratio=0.01 \
+        --ps mpi : -np 1 python -m ps_server --transport mpi --workers 2
+
 Rank 0 prints per-epoch loss, test accuracy and the bytes its
 gradients took per step against float32. ``--compare`` first trains uncompressed with the
-same seed and epochs, so the two accuracies and byte counts stand side by side.
+same seed and epochs, so the two accuracies and byte counts stand side by side. With DGC,
+which applies momentum itself, the SGD optimizer runs without momentum.
 """
 
 from __future__ import annotations
@@ -25,7 +37,8 @@ from sklearn.model_selection import train_test_split
 from torch import nn
 
 from hvd_compress import Compression, Policy
-from hvd_compress.torch import DistributedOptimizer, broadcast_optimizer_state
+from hvd_compress.schemes.dgc import DGC
+from hvd_compress.torch import DistributedOptimizer, broadcast_optimizer_state, init
 
 
 @dataclass
@@ -58,18 +71,21 @@ def make_model() -> nn.Module:
 
 def train(scheme: str = "none", epochs: int = 20, batch_size: int = 32, lr: float = 0.25,
           momentum: float = 0.5, seed: int = 0, verbose: bool = False,
-          min_numel: int = 1024) -> Result:
-    """Train on this rank's shard; every rank returns the same test accuracy."""
+          min_numel: int = 1024, ps: str | None = None) -> Result:
+    """Train on this rank's shard; every rank returns the same test accuracy. ``ps`` is the
+    optimizer's ``ps=`` (parameter servers for the sparse schemes)."""
     torch.manual_seed(seed)
     x_train, y_train, x_test, y_test = load_split(seed)
     rank, size = hvd.rank(), hvd.size()
     x_shard, y_shard = x_train[rank::size], y_train[rank::size]
 
     model = make_model()
+    compression = Compression.parse(scheme)
     optimizer = DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum),
-        named_parameters=model.named_parameters(), compression=Compression.parse(scheme),
-        policy=Policy(min_numel=min_numel), seed=seed)
+        torch.optim.SGD(model.parameters(), lr=lr,
+                        momentum=0.0 if isinstance(compression, DGC) else momentum),
+        named_parameters=model.named_parameters(), compression=compression,
+        policy=Policy(min_numel=min_numel), seed=seed, ps=ps)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     broadcast_optimizer_state(optimizer, root_rank=0)
     loss_fn = nn.CrossEntropyLoss()
@@ -110,21 +126,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scheme", default="onebit",
                         help="compression scheme, e.g. fp16, onebit, qsgd:bits=4, "
-                             "terngrad, powersgd:rank=2 (see Compression.parse)")
+                             "terngrad, powersgd:rank=2, topk:ratio=0.01, "
+                             "dgc:ratio=0.001,momentum=0.5 (see Compression.parse)")
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--lr", type=float, default=0.25)
     parser.add_argument("--momentum", type=float, default=0.5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compare", action="store_true",
                         help="train uncompressed first and print both results")
+    parser.add_argument("--ps", default=None,
+                        help="parameter servers for top-k/DGC: grpc://HOST:PORT[,HOST:PORT] "
+                             "or mpi (default: $HVD_COMPRESS_PS; none: Horovod allgather)")
     parser.add_argument("--json", help="write the results to this file (rank 0)")
     args = parser.parse_args()
 
-    hvd.init()
+    init(ps=args.ps)
     torch.set_num_threads(1)
     schemes = (["none"] if args.compare else []) + [args.scheme]
     results = [train(s, args.epochs, lr=args.lr, momentum=args.momentum, seed=args.seed,
-                     verbose=True) for s in schemes]
+                     verbose=True, ps=args.ps) for s in schemes]
     if hvd.rank() == 0:
         print(f"\n{'scheme':<28} {'test acc':>9} {'bytes/step':>12} {'fp32 bytes':>12} "
               f"{'ratio':>7} {'time':>7}")

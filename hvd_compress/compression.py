@@ -26,9 +26,14 @@ class Compression:
         Compression.qsgd(bits=4, bucket_size=512, norm='max', error_feedback=False)
         Compression.terngrad(bucket_size=512, clip=None, error_feedback=False)
         Compression.powersgd(rank=4, start_iter=10, min_compression_rate=2, warm_start=True)
-        Compression.topk(ratio=0.001)
+        Compression.topk(ratio=0.001, values='fp32')
         Compression.randomk(ratio=0.01)
-        Compression.dgc(ratio=0.001, momentum=0.9, clip_norm=None, warmup_steps=0)
+        Compression.dgc(ratio=0.001, momentum=0.9, clip_norm=None, warmup_steps=0,
+                        sample_ratio=0.01, values='fp32')
+
+    Top-k and DGC pairs are summed by the parameter server given as the optimizer's
+    ``ps=`` (or by Horovod ``allgather`` without one); ``values='fp16'`` halves the
+    values' bytes on the wire.
     """
 
     none = NoCompression()

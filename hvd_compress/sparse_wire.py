@@ -189,15 +189,27 @@ def _gaps(indices: np.ndarray) -> np.ndarray:
     return gaps.astype(np.uint64)
 
 
-def choose_coding(indices: np.ndarray, numel: int, itemsize: int) -> IndexCoding:
-    """The coding giving the smallest frame for these (valid, increasing) indices."""
+def _section_sizes(indices: np.ndarray, numel: int, itemsize: int) -> dict[IndexCoding, int]:
     count = indices.size
-    sizes = {
+    return {
         IndexCoding.VARINT: varint_nbytes(_gaps(indices)) + count * itemsize,
         IndexCoding.BITMAP: bitmap_nbytes(numel) + count * itemsize,
         IndexCoding.DENSE: numel * itemsize,
     }
+
+
+def choose_coding(indices: np.ndarray, numel: int, itemsize: int) -> IndexCoding:
+    """The coding giving the smallest frame for these (valid, increasing) indices."""
+    sizes = _section_sizes(indices, numel, itemsize)
     return min(sizes, key=lambda coding: (sizes[coding], coding))
+
+
+def pairs_nbytes(indices: np.ndarray, numel: int, dtype: ValueDType | str) -> int:
+    """Bytes of the index and value sections a frame of these (unique) pairs takes with the
+    smallest coding, as :func:`encode_frame` chooses it; a frame adds its header, name and
+    CRC."""
+    idx = np.sort(np.asarray(indices, np.int64).ravel())
+    return min(_section_sizes(idx, numel, ValueDType.parse(dtype).numpy.itemsize).values())
 
 
 # Frames ------------------------------------------------------------------------------------
@@ -304,6 +316,37 @@ def decode_frame(data: bytes | bytearray | memoryview, max_numel: int = MAX_NUME
     indices = _decode_indices(coding, index_section, numel, count)
     return Frame(kind, tensor, shard, shards, round, worker, numel, indices, values, coding,
                  dtype)
+
+
+def frame_nbytes(data: bytes | bytearray | memoryview, offset: int = 0) -> int:
+    """The size of the frame starting at ``offset``, from its header alone (how frames
+    concatenated by an all-gather are told apart); raises :class:`ValueError` if the
+    header does not fit or does not start with the magic."""
+    buf = memoryview(data).cast("B")
+    if buf.nbytes - offset < HEADER_BYTES + _CRC_BYTES:
+        raise ValueError(f"{buf.nbytes - offset} bytes left at offset {offset}: shorter than "
+                         "a frame header (truncated)")
+    fields = _HEADER.unpack_from(buf, offset)
+    magic, dtype, count, index_nbytes, name_len = (fields[0], fields[4], fields[10],
+                                                   fields[11], fields[12])
+    if magic != MAGIC:
+        raise ValueError(f"no frame at offset {offset}: magic {magic!r}, expected {MAGIC!r}")
+    itemsize = _enum(ValueDType, dtype, "value dtype").numpy.itemsize
+    return HEADER_BYTES + name_len + index_nbytes + count * itemsize + _CRC_BYTES
+
+
+def split_frames(data: bytes | bytearray | memoryview) -> list[Frame]:
+    """Decode a concatenation of frames (e.g. every rank's push, all-gathered)."""
+    buf = memoryview(data).cast("B")
+    frames, offset = [], 0
+    while offset < buf.nbytes:
+        size = frame_nbytes(buf, offset)
+        if offset + size > buf.nbytes:
+            raise ValueError(f"frame at offset {offset} needs {size} bytes, only "
+                             f"{buf.nbytes - offset} remain (truncated)")
+        frames.append(decode_frame(buf[offset:offset + size]))
+        offset += size
+    return frames
 
 
 def _decode_indices(coding: IndexCoding, section: np.ndarray, numel: int,

@@ -2,11 +2,11 @@
 what each rank returns.
 
 ``run_ranks("tests.workers.dense:aggregates", np=2, launcher="mpi")`` starts the ranks with
-``python -m tests.rank_main``, which calls ``hvd.init()``, runs the function with the given
-keyword arguments and saves its return value with ``torch.save``. The harness returns the
-values in rank order, and fails with both ranks' output if a rank fails or the launch does
-not finish within ``timeout`` seconds (the whole process group is killed: a hang becomes a
-test failure, not a stuck CI run).
+``python -m tests.rank_main``, which calls ``hvd_compress.torch.init()``, runs the function
+with the given keyword arguments and saves its return value with ``torch.save``. The
+harness returns the values in rank order, and fails with both ranks' output if a rank
+fails or the launch does not finish within ``timeout`` seconds (the whole process group is
+killed: a hang becomes a test failure, not a stuck CI run).
 """
 
 from __future__ import annotations
@@ -65,12 +65,25 @@ def run_command(cmd: list[str], timeout: float, env: dict[str, str] | None = Non
 
 
 def run_ranks(target: str, np: int = 2, launcher: str = "gloo", timeout: float = 300,
-              **kwargs: Any) -> list[Any]:
-    """Run ``module:function(**kwargs)`` on ``np`` ranks; return each rank's result."""
+              mpi_servers: int = 0, **kwargs: Any) -> list[Any]:
+    """Run ``module:function(**kwargs)`` on ``np`` ranks; return each rank's result.
+
+    ``mpi_servers`` (``launcher="mpi"`` only) adds that many ``python -m ps_server
+    --transport mpi`` ranks to the launch (MPMD) and starts the workers with
+    ``HVD_COMPRESS_PS=mpi``.
+    """
+    env = rank_env()
     with tempfile.TemporaryDirectory(prefix="hvdc-ranks-") as out_dir:
         cmd = [*launch_command(launcher, np), sys.executable, "-m", "tests.rank_main",
                out_dir, target, json.dumps(kwargs)]
-        done = run_command(cmd, timeout)
+        if mpi_servers:
+            if launcher != "mpi":
+                raise ValueError("mpi_servers needs launcher='mpi'")
+            env["HVD_COMPRESS_PS"] = "mpi"
+            cmd[cmd.index("-x"):cmd.index("-x")] = ["-x", "HVD_COMPRESS_PS"]
+            cmd += [":", "-np", str(mpi_servers), sys.executable, "-m", "ps_server",
+                    "--transport", "mpi", "--workers", str(np), "--deadline", "60"]
+        done = run_command(cmd, timeout, env)
         if done.returncode != 0:
             raise AssertionError(f"{target} on {np} ranks ({launcher}) exited with "
                                  f"{done.returncode}; output:\n{done.stdout[-6000:]}")

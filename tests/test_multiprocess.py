@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -16,10 +18,10 @@ STAT_SPECS = ["bf16", "qsgd", "terngrad"]
 TRAIN_SPECS = ["none", "fp16", "bf16", "onebit", "qsgd", "terngrad", "powersgd:start_iter=2"]
 
 
-@pytest.mark.parametrize("launcher", LAUNCHERS)
-def test_aggregate_is_sum_of_decoded_contributions(launcher: str) -> None:
-    ranks = run_ranks("tests.workers.dense:aggregates", launcher=launcher,
-                      specs=EXACT_SPECS + STAT_SPECS)
+def check_aggregates(ranks: list[dict[str, Any]]
+                     ) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Assert every rank got the same aggregates and, where each rank reported what it sent,
+    that the aggregate is their sum. Returns (aggregate, true sum) of the other schemes."""
     unbiased: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for name, row0 in ranks[0].items():
         rows = [r[name] for r in ranks]
@@ -36,6 +38,14 @@ def test_aggregate_is_sum_of_decoded_contributions(launcher: str) -> None:
             applied += torch.cat([r["chunk_residual"] for r in rows])
         tol = 2e-3 if name.startswith("fp16") else 1e-5
         torch.testing.assert_close(applied, sent.reshape(-1), rtol=tol, atol=tol, msg=name)
+    return unbiased
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_aggregate_is_sum_of_decoded_contributions(launcher: str) -> None:
+    ranks = run_ranks("tests.workers.dense:aggregates", launcher=launcher,
+                      specs=EXACT_SPECS + STAT_SPECS)
+    unbiased = check_aggregates(ranks)
     # Unbiased schemes: projecting the aggregate on the true sum gives 1 up to noise whose
     # standard deviation is (relative error) / sqrt(n), about 0.02 for these ~12k elements.
     assert set(unbiased) == set(STAT_SPECS)
@@ -45,16 +55,23 @@ def test_aggregate_is_sum_of_decoded_contributions(launcher: str) -> None:
         coefficient = float(agg @ total / (total @ total))
         assert abs(coefficient - 1) < 0.15, (spec, coefficient)
 
-@pytest.mark.parametrize("launcher", LAUNCHERS)
-def test_training_keeps_ranks_identical_and_resumes_exactly(launcher: str) -> None:
-    ranks = run_ranks("tests.workers.dense:training", launcher=launcher, specs=TRAIN_SPECS)
-    for spec in TRAIN_SPECS:
+
+def check_training(ranks: list[dict[str, Any]], specs: list[str]) -> None:
+    """Assert the ranks ended with identical, finite parameters and that resuming from the
+    checkpoint reproduced the last step bit for bit, for every scheme."""
+    for spec in specs:
         params = [r[spec]["params"] for r in ranks]
         assert torch.isfinite(params[0]).all(), spec
         assert all(torch.equal(p, params[0]) for p in params), f"{spec}: ranks diverged"
         for r in ranks:
             assert torch.equal(r[spec]["resumed_params"], r[spec]["params"]), \
                 f"{spec}: resuming from the checkpoint changed the next step"
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_training_keeps_ranks_identical_and_resumes_exactly(launcher: str) -> None:
+    ranks = run_ranks("tests.workers.dense:training", launcher=launcher, specs=TRAIN_SPECS)
+    check_training(ranks, TRAIN_SPECS)
     assert ranks[0]["onebit"]["ratio"] > 10
 
 

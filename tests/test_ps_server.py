@@ -2,14 +2,8 @@
 
 from __future__ import annotations
 
-import os
-import queue
-import re
-import signal
 import struct
 import subprocess
-import sys
-import threading
 import time
 import urllib.request
 import zlib
@@ -22,70 +16,9 @@ import torch
 
 from hvd_compress.comm.ps_client import GRPC_SERVICE, PSClient, PSError, shard_bounds
 from hvd_compress.sparse_wire import Kind, decode_frame, encode_frame
-from tests.harness import ROOT
+from tests.servers import ServerProcess
 
 pytestmark = pytest.mark.timeout(120)
-READY = re.compile(r"serving shard (\d+)/(\d+) on [^:]+:(\d+)")
-
-
-class ServerProcess:
-    """``python -m ps_server ...`` whose log lines are collected in ``self.lines``."""
-
-    def __init__(self, args: list[str], env: dict[str, str] | None = None,
-                 timeout: float = 60.0) -> None:
-        self.args = args
-        self.lines: list[str] = []
-        self._queue: queue.Queue[str | None] = queue.Queue()
-        full_env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **(env or {}))
-        self.proc = subprocess.Popen([sys.executable, "-m", "ps_server", *args], cwd=ROOT,
-                                     env=full_env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True)
-        threading.Thread(target=self._read, daemon=True).start()
-        self.port = int(self.wait_for(READY, timeout).group(3))
-        self.address = f"127.0.0.1:{self.port}"
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self._queue.put(line.rstrip("\n"))
-        self._queue.put(None)
-
-    def wait_for(self, pattern: re.Pattern[str] | str, timeout: float = 20.0) -> re.Match[str]:
-        """The first log line (from now or already seen) matching ``pattern``."""
-        pattern = re.compile(pattern) if isinstance(pattern, str) else pattern
-        for line in self.lines:
-            if match := pattern.search(line):
-                return match
-        give_up = time.monotonic() + timeout
-        while (left := give_up - time.monotonic()) > 0:
-            try:
-                line = self._queue.get(timeout=left)
-            except queue.Empty:
-                break
-            if line is None:
-                raise AssertionError(f"server exited ({self.proc.wait()}) before logging "
-                                     f"{pattern.pattern!r}:\n" + self.log())
-            self.lines.append(line)
-            if match := pattern.search(line):
-                return match
-        raise AssertionError(f"no log line matching {pattern.pattern!r} within {timeout} s:\n"
-                             + self.log())
-
-    def log(self) -> str:
-        while True:
-            try:
-                line = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if line is not None:
-                self.lines.append(line)
-        return "\n".join(self.lines)
-
-    def kill(self, sig: int = signal.SIGKILL) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, sig)
-        self.proc.wait(timeout=20)
-
 TOKEN = "t0ken-for-tests"
 WORKERS = 3
 NUMEL = 10_000

@@ -15,6 +15,8 @@ from hvd_compress.sparse_wire import (
     ValueDType,
     decode_frame,
     encode_frame,
+    pairs_nbytes,
+    split_frames,
     varint_decode,
     varint_encode,
     varint_nbytes,
@@ -151,3 +153,28 @@ def test_decoder_rejects_non_canonical_varint():
         varint_decode(np.array([0x85, 0x00], np.uint8), 1)
     with pytest.raises(ValueError, match="inside a varint"):
         varint_decode(np.array([0x01, 0x85], np.uint8), 1)
+
+
+@pytest.mark.parametrize("density", [0.001, 0.3, 1.0])
+def test_pairs_nbytes_is_the_frame_minus_header_name_and_crc(density):
+    rng = np.random.default_rng(5)
+    numel = 10_000
+    idx = rng.choice(numel, int(density * numel), replace=False)
+    for dtype in ("fp32", "fp16"):
+        frame = encode_frame(Kind.PUSH, "w", 0, 1, 0, 0, numel, np.sort(idx),
+                             rng.standard_normal(idx.size), dtype)
+        assert pairs_nbytes(idx, numel, dtype) == len(frame) - HEADER_BYTES - len("w") - 4
+
+
+def test_split_frames_recovers_concatenated_frames():
+    frames = [encode_frame(Kind.PUSH, f"t{w}", 0, 1, 3, w, 50, np.arange(w, 50, 7),
+                           np.full(len(range(w, 50, 7)), float(w)), "fp16")
+              for w in range(3)]
+    decoded = split_frames(b"".join(frames))
+    assert [f.worker for f in decoded] == [0, 1, 2]
+    assert [f.tensor for f in decoded] == ["t0", "t1", "t2"]
+    assert np.array_equal(decoded[2].indices, np.arange(2, 50, 7))
+    with pytest.raises(ValueError, match="truncated"):
+        split_frames(b"".join(frames)[:-3])
+    with pytest.raises(ValueError, match="magic"):
+        split_frames(frames[0] + b"XXXX" + frames[1][4:])

@@ -18,16 +18,37 @@ def test_topk_aggregate_is_the_sum_of_each_ranks_top_entries() -> None:
     xs = [torch.randn(20, 10) for _ in range(3)]
     out = on_threads(3, lambda r: pipes[r].reduce({"w": xs[r]})["w"])
     expected = torch.zeros(200)
+    tops = []
     for x in xs:
         flat = x.reshape(-1)
         top = flat.abs().topk(10).indices  # k = ceil(0.05 * 200)
         expected[top] += flat[top]
+        tops.append(top)
     torch.testing.assert_close(out[0].reshape(-1), expected)
-    # What was not sent stays in each rank's residual.
+    # What was not sent stays in each rank's residual, exactly.
+    for x, top, p in zip(xs, tops, pipes):
+        assert torch.equal(p.feedback.get("w").reshape(-1),
+                           x.reshape(-1).index_fill(0, top, 0.0))
+    # Bytes: each index as the varint of its gap to the previous one, plus a float32 value.
+    gaps = torch.diff(tops[0].sort().values, prepend=torch.tensor([-1])) - 1
+    assert pipes[0].last_step.payload_bytes == int((gaps >= 128).sum()) + 10 + 4 * 10
+
+
+def test_topk_fp16_values_keep_their_rounding_in_the_residual() -> None:
+    pipes = make_pipelines(Compression.topk(ratio=0.1, values="fp16"), 2)
+    xs = [torch.randn(1000) / 3 for _ in range(2)]
+    out = on_threads(2, lambda r: pipes[r].reduce({"w": xs[r]})["w"])
+    expected = torch.zeros(1000)
     for x, p in zip(xs, pipes):
-        assert int((p.feedback.get("w") != 0).sum()) == 200 - 10
-        torch.testing.assert_close(p.feedback.get("w") + (x - p.feedback.get("w")), x)
-    assert pipes[0].last_step.payload_bytes == 8 * 10
+        top = x.abs().topk(100).indices
+        sent = x[top].half().float()
+        expected[top] += sent
+        residual = x.clone()
+        residual[top] -= sent
+        assert torch.equal(p.feedback.get("w"), residual)
+    assert torch.equal(out[0], expected)
+    # 100 values of 2 bytes; gaps below 128 take one byte each.
+    assert pipes[0].last_step.payload_bytes < 100 * (4 + 2)
 
 
 def test_randomk_ranks_draw_the_same_indices_and_all_reduce_values() -> None:
@@ -53,6 +74,15 @@ def test_dgc_momentum_correction_and_factor_masking() -> None:
     second = pipe.reduce({"w": g})["w"]
     # u = 0.5 u + g; v = v + u: entry 17 (value 18) has v = 18 + (9 + 18) = 45.
     assert second[17] == 45.0
+
+
+def test_dgc_fp16_values_leave_their_rounding_in_the_velocity() -> None:
+    pipe = make_pipelines(Compression.dgc(ratio=0.1, momentum=0.5, values="fp16"), 1)[0]
+    g = torch.arange(1.0, 21.0) + 1 / 3
+    first = pipe.reduce({"w": g})["w"]
+    sent = g[18:].half().float()
+    assert torch.equal(first[18:], sent)
+    assert torch.equal(pipe.scheme_state("w")[VELOCITY][18:], g[18:] - sent)
 
 
 def test_dgc_warmup_density_schedule_matches_the_paper() -> None:

@@ -1,4 +1,4 @@
-"""Command line: ``python -m hvd_compress.bench {wire,kernels} [options]``."""
+"""Command line: ``python -m hvd_compress.bench {wire,kernels,ps} [options]``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from hvd_compress import bench
-from hvd_compress.bench import kernels, wire_bytes
+from hvd_compress.bench import kernels, ps, wire_bytes
 from hvd_compress.bench.report import publish
 
 T = TypeVar("T")
@@ -60,6 +60,19 @@ def build_parser() -> argparse.ArgumentParser:
                       help="float32 element counts, comma-separated (default 4M,64M)")
     kern.add_argument("--repeat", type=_positive_int, default=5,
                       help="timings per scheme and size; the median is reported (default 5)")
+
+    server = commands.add_parser("ps", help="parameter-server aggregation throughput")
+    server.add_argument("--json", type=Path, help="write the rows to this file")
+    server.add_argument("--workers", type=_comma_list(_positive_int), default=[2, 4, 8],
+                        help="simulated worker counts, comma-separated (default 2,4,8)")
+    server.add_argument("--shards", type=_comma_list(_positive_int), default=[1, 2],
+                        help="server process counts, comma-separated (default 1,2)")
+    server.add_argument("--numel", type=kernels.parse_count, default=16 << 20,
+                        help="elements of the sparse tensor (default 16M)")
+    server.add_argument("--density", type=float, default=0.01,
+                        help="fraction of the elements each worker pushes (default 0.01)")
+    server.add_argument("--rounds", type=_positive_int, default=5,
+                        help="rounds timed per configuration (default 5)")
     return parser
 
 
@@ -69,7 +82,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows = wire_bytes.run(args.layers, args.ranks)
         publish(wire_bytes.title(args.ranks), rows, wire_bytes.COLUMNS, wire_bytes.TARGETS,
                 args.json)
-    else:
+    elif args.command == "kernels":
         rows = kernels.run(args.sizes, args.repeat)
         publish(kernels.title(args.repeat), rows, kernels.COLUMNS, kernels.TARGETS, args.json)
+    else:
+        if not 0 < args.density <= 1:
+            raise SystemExit(f"--density must be in (0, 1], got {args.density}")
+        rows = ps.run(args.workers, args.shards, args.numel, args.density, args.rounds)
+        publish(ps.title(args.numel, args.density, args.rounds), rows, ps.COLUMNS, ps.TARGETS,
+                args.json)
     return 0

@@ -5,10 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 import horovod.torch as hvd
+import numpy as np
 import torch
 
 from hvd_compress.comm.base import split_gathered
-from hvd_compress.comm.ops import AllGather, AllReduce, AllToAll, Collective, SparseSum, sum_pairs
+from hvd_compress.comm.ops import AllGather, AllReduce, AllToAll, Collective, SparseSum
+from hvd_compress.comm.sparse_frames import encode_sparse_frame, sum_frames
 
 
 class HorovodTorchCommunicator:
@@ -30,11 +32,11 @@ class HorovodTorchCommunicator:
         elif isinstance(op, AllGather):
             handle = hvd.allgather_async(op.tensor, name=name, process_set=ps)
         elif isinstance(op, SparseSum):
-            # One (index, float32 bits) row per pair: rows from all ranks concatenate
-            # along dim 0 whatever each rank's count, and all that is needed is their sum.
-            pairs = torch.stack([op.indices.to(torch.int32),
-                                 op.values.to(torch.float32).view(torch.int32)], dim=1)
-            handle = hvd.allgather_async(pairs, name=name, process_set=ps)
+            # Each rank's pairs as one frame (the parameter server's format): frames are
+            # self-delimiting, so the gathered bytes split back into one frame per rank.
+            frame = encode_sparse_frame(name, self.rank, op)
+            handle = hvd.allgather_async(torch.from_numpy(np.frombuffer(frame, np.uint8)),
+                                         name=name, process_set=ps)
         elif isinstance(op, AllToAll):
             splits = torch.tensor(op.splits, dtype=torch.int32)
             handle = hvd.alltoall_async(op.tensor, splits=splits, name=name, process_set=ps)
@@ -50,6 +52,6 @@ class HorovodTorchCommunicator:
         if isinstance(op, AllGather):
             return split_gathered(result, op.sizes)
         if isinstance(op, SparseSum):
-            return sum_pairs(op.numel, result[:, 0], result[:, 1].contiguous().view(torch.float32))
+            return sum_frames(op, result.numpy())
         output, received = result
         return list(torch.split(output, received.tolist()))

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from hvd_compress.sparse_wire import ValueDType, pairs_nbytes
 
 
 @dataclass(frozen=True)
@@ -51,10 +54,12 @@ class AllToAll:
 @dataclass(frozen=True)
 class SparseSum:
     """Sum over ranks of sparse vectors of length ``numel`` given as (index, value) pairs,
-    each rank with its own indices. Result: the dense sum, a flat float32 tensor.
+    each rank with its own unique indices. Result: the dense sum, a flat float32 tensor.
 
-    A ring cannot sum these; the communicator gathers every rank's pairs (Horovod
-    ``allgather``) or sends them to a parameter server.
+    The values' dtype is the one they travel in: float16 values go as fp16, any other as
+    fp32. A ring cannot sum these; the communicator sends the pairs as frames of
+    :mod:`hvd_compress.sparse_wire`, either gathered by every rank (Horovod ``allgather``)
+    or to a parameter server.
     """
 
     round: str
@@ -62,15 +67,43 @@ class SparseSum:
     indices: torch.Tensor
     values: torch.Tensor
 
+    @property
+    def value_dtype(self) -> ValueDType:
+        return wire_dtype(self.values)
+
 
 Collective = AllReduce | AllGather | AllToAll | SparseSum
 
 
 def nbytes(op: Collective) -> int:
-    """Bytes this rank hands to the collective (int32 index + float32 value per pair)."""
+    """Bytes this rank hands to the collective. For :class:`SparseSum`, the coded index
+    and value sections of its frame (:func:`hvd_compress.sparse_wire.pairs_nbytes`)."""
     if isinstance(op, SparseSum):
-        return 8 * op.indices.numel()
+        return pairs_nbytes(op.indices.detach().cpu().numpy(), op.numel, op.value_dtype)
     return op.tensor.numel() * op.tensor.element_size()
+
+
+def wire_dtype(values: torch.Tensor) -> ValueDType:
+    """The frame value dtype of a tensor of values: fp16 for float16, fp32 otherwise."""
+    return ValueDType.FP16 if values.dtype == torch.float16 else ValueDType.FP32
+
+
+def sorted_pairs(numel: int, indices: torch.Tensor, values: torch.Tensor,
+                 where: str) -> tuple[np.ndarray, np.ndarray]:
+    """Host copies of (index, value) pairs in increasing index order, as frames hold them,
+    values in their wire dtype (:func:`wire_dtype`). Raises :class:`ValueError` naming
+    ``where`` for mismatched lengths, indices out of ``[0, numel)`` or repeated."""
+    idx = indices.detach().reshape(-1).cpu().to(torch.int64).numpy()
+    val = values.detach().reshape(-1).cpu().numpy().astype(wire_dtype(values).numpy)
+    if idx.size != val.size:
+        raise ValueError(f"{where}: {idx.size} indices but {val.size} values")
+    order = np.argsort(idx, kind="stable")
+    idx, val = idx[order], val[order]
+    if idx.size and (idx[0] < 0 or idx[-1] >= numel):
+        raise ValueError(f"{where}: indices must lie in [0, {numel}), got {idx[0]}..{idx[-1]}")
+    if np.any(idx[1:] == idx[:-1]):
+        raise ValueError(f"{where}: duplicate indices (sum them first)")
+    return idx, val
 
 
 def sum_pairs(numel: int, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

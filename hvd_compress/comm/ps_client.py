@@ -21,12 +21,15 @@ import random
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
 
+from hvd_compress.comm.ops import sorted_pairs, wire_dtype
 from hvd_compress.sparse_wire import Kind, ValueDType, decode_frame, encode_frame
 
 GRPC_SERVICE = "hvd_compress.ps.ParameterServer"
@@ -76,14 +79,31 @@ def parse_addresses(spec: str | Sequence[str]) -> tuple[list[str], bool]:
     return addresses, tls
 
 
+@dataclass
+class PendingRound:
+    """One tensor's round between :meth:`start` (pushes sent) and :meth:`finish`."""
+
+    tensor: str
+    round: int
+    bounds: list[int]
+    pushes: list[bytes]
+    pulls: list[bytes]
+    pushed: list[Future[Any]] = field(default_factory=list)
+
+
 class _ShardedClient(ABC):
-    """Splitting pairs into shard frames and joining the aggregates; transports subclass."""
+    """Splitting pairs into shard frames and joining the aggregates; transports subclass.
+
+    ``value_dtype`` (``"fp32"``/``"fp16"``) forces the wire dtype of the values both ways.
+    By default float16 values are pushed as fp16 and any other as fp32, and aggregates come
+    back as fp32, so they are the exact sums of what was pushed.
+    """
 
     addresses: list[str]
 
-    def __init__(self, worker: int, value_dtype: str) -> None:
+    def __init__(self, worker: int, value_dtype: str | None) -> None:
         self.worker = worker
-        self.dtype = ValueDType.parse(value_dtype)
+        self.dtype = None if value_dtype is None else ValueDType.parse(value_dtype)
 
     def push_pull(self, tensor_id: str, round: int, numel: int, indices: torch.Tensor,
                   values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,39 +112,38 @@ class _ShardedClient(ABC):
         ``indices`` are flat positions in ``[0, numel)``, unique, in any order. Returns
         int64 indices (increasing) and float32 values, on the CPU.
         """
-        pushes, pulls, bounds = self._frames(tensor_id, round, numel, indices, values)
-        replies = self._exchange(tensor_id, round, pushes, pulls)
-        return self._merge(tensor_id, round, bounds, replies)
+        return self.finish(self.start(tensor_id, round, numel, indices, values))
 
-    def _frames(self, tensor: str, round: int, numel: int, indices: torch.Tensor,
-                values: torch.Tensor) -> tuple[list[bytes], list[bytes], list[int]]:
-        idx = indices.detach().reshape(-1).cpu().to(torch.int64).numpy()
-        val = values.detach().reshape(-1).cpu().float().numpy()
-        if idx.size != val.size:
-            raise ValueError(f"tensor {tensor!r}: {idx.size} indices but {val.size} values")
-        order = np.argsort(idx, kind="stable")
-        idx, val = idx[order], val[order]
-        if idx.size and (idx[0] < 0 or idx[-1] >= numel):
-            raise ValueError(f"tensor {tensor!r}: indices must lie in [0, {numel}), got "
-                             f"{idx[0]}..{idx[-1]}")
-        if np.any(idx[1:] == idx[:-1]):
-            raise ValueError(f"tensor {tensor!r}: duplicate indices (sum them first)")
+    def start(self, tensor_id: str, round: int, numel: int, indices: torch.Tensor,
+              values: torch.Tensor) -> PendingRound:
+        """Send this worker's pushes for ``round`` to every shard; :meth:`finish` pulls.
+
+        Pushes never wait for other workers, so a worker may start any number of tensors
+        before finishing any, in any order.
+        """
+        dtype = self.dtype if self.dtype is not None else wire_dtype(values)
+        pull_dtype = self.dtype if self.dtype is not None else ValueDType.FP32
+        idx, val = sorted_pairs(numel, indices, values, f"tensor {tensor_id!r}")
         shards = len(self.addresses)
         bounds = shard_bounds(numel, shards)
         cuts = np.searchsorted(idx, bounds)
-        pushes, pulls = [], []
+        pending = PendingRound(tensor_id, round, bounds, [], [])
         for s in range(shards):
             lo, hi = cuts[s], cuts[s + 1]
             size = bounds[s + 1] - bounds[s]
-            pushes.append(encode_frame(Kind.PUSH, tensor, s, shards, round, self.worker, size,
-                                       idx[lo:hi] - bounds[s], val[lo:hi], self.dtype))
-            pulls.append(encode_frame(Kind.PULL, tensor, s, shards, round, self.worker, size,
-                                      dtype=self.dtype))
-        return pushes, pulls, bounds
+            pending.pushes.append(encode_frame(Kind.PUSH, tensor_id, s, shards, round,
+                                               self.worker, size, idx[lo:hi] - bounds[s],
+                                               val[lo:hi], dtype))
+            pending.pulls.append(encode_frame(Kind.PULL, tensor_id, s, shards, round,
+                                              self.worker, size, dtype=pull_dtype))
+        self._send_pushes(pending)
+        return pending
 
-    def _merge(self, tensor: str, round: int, bounds: list[int],
-               replies: list[bytes]) -> tuple[torch.Tensor, torch.Tensor]:
+    def finish(self, pending: PendingRound) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pull the aggregate of a started round from every shard; returns its pairs."""
+        replies = self._pull(pending)
         all_idx, all_val = [], []
+        tensor, round, bounds = pending.tensor, pending.round, pending.bounds
         for s, reply in enumerate(replies):
             try:
                 frame = decode_frame(reply)
@@ -145,9 +164,12 @@ class _ShardedClient(ABC):
         return PSError(tensor, round, shard, self.addresses[shard], code, detail)
 
     @abstractmethod
-    def _exchange(self, tensor: str, round: int, pushes: list[bytes],
-                  pulls: list[bytes]) -> list[bytes]:
-        """Send each shard its push frame and pull request; return each shard's reply."""
+    def _send_pushes(self, pending: PendingRound) -> None:
+        """Send each shard its push frame (or queue it; :meth:`_pull` joins)."""
+
+    @abstractmethod
+    def _pull(self, pending: PendingRound) -> list[bytes]:
+        """Each shard's reply to its pull request, once its push is in."""
 
 
 class PSClient(_ShardedClient):
@@ -159,14 +181,16 @@ class PSClient(_ShardedClient):
         token: the servers' token; defaults to ``$HVD_COMPRESS_PS_TOKEN`` when set.
         root_certificates: PEM of the CA (or self-signed certificate) to trust; turns on
             TLS. ``tls_server_name`` overrides the name checked in the certificate.
-        value_dtype: ``"fp32"`` or ``"fp16"`` values on the wire, both directions.
+        value_dtype: ``"fp32"`` or ``"fp16"`` values on the wire, both directions; by
+            default pushes in the values' own (fp16 for float16 values, fp32 otherwise) and
+            aggregates in fp32.
         timeout: seconds one call may take (a pull waits for the slowest worker).
         retry_timeout: how long to keep retrying an unreachable server.
     """
 
     def __init__(self, addresses: str | Sequence[str], worker: int, *,
                  token: str | None = None, root_certificates: bytes | None = None,
-                 tls_server_name: str | None = None, value_dtype: str = "fp32",
+                 tls_server_name: str | None = None, value_dtype: str | None = None,
                  timeout: float = 300.0, retry_timeout: float = 60.0,
                  max_message_bytes: int = 256 << 20) -> None:
         import grpc
@@ -192,24 +216,35 @@ class PSClient(_ShardedClient):
             else:
                 self._channels.append(grpc.insecure_channel(address, options=options))
         self._push = [c.unary_unary(f"/{GRPC_SERVICE}/Push") for c in self._channels]
-        self._pull = [c.unary_unary(f"/{GRPC_SERVICE}/Pull") for c in self._channels]
-        self._pool = ThreadPoolExecutor(max_workers=len(self.addresses),
-                                        thread_name_prefix="ps-client")
+        self._pulls = [c.unary_unary(f"/{GRPC_SERVICE}/Pull") for c in self._channels]
+        # Pushes never wait for other workers and pulls only for pushes already sent, so
+        # two bounded pools cannot deadlock whatever order workers start tensors in.
+        self._push_pool = ThreadPoolExecutor(max_workers=len(self.addresses),
+                                             thread_name_prefix="ps-push")
+        self._pull_pool = ThreadPoolExecutor(max_workers=len(self.addresses),
+                                             thread_name_prefix="ps-pull")
 
-    def _exchange(self, tensor: str, round: int, pushes: list[bytes],
-                  pulls: list[bytes]) -> list[bytes]:
-        jobs = [self._pool.submit(self._shard_exchange, tensor, round, s, pushes[s], pulls[s])
-                for s in range(len(pushes))]
+    def _send_pushes(self, pending: PendingRound) -> None:
+        pending.pushed = [self._push_pool.submit(self._push[s], frame, timeout=self.timeout,
+                                                 metadata=self._metadata)
+                          for s, frame in enumerate(pending.pushes)]
+
+    def _pull(self, pending: PendingRound) -> list[bytes]:
+        jobs = [self._pull_pool.submit(self._shard_pull, pending, s)
+                for s in range(len(pending.pulls))]
         return [job.result() for job in jobs]
 
-    def _shard_exchange(self, tensor: str, round: int, shard: int, push: bytes,
-                        pull: bytes) -> bytes:
-        grpc = self._grpc
-        start, delay = time.monotonic(), 0.05
+    def _shard_pull(self, pending: PendingRound, shard: int) -> bytes:
+        """Wait for the shard's push, then pull; while the server is unreachable (e.g.
+        restarting from its checkpoint, which may predate the push), push again and pull,
+        with exponential back-off."""
+        grpc, tensor, round = self._grpc, pending.tensor, pending.round
+        start, delay, push = time.monotonic(), 0.05, pending.pushed[shard].result
         while True:
             try:
-                self._push[shard](push, timeout=self.timeout, metadata=self._metadata)
-                return self._pull[shard](pull, timeout=self.timeout, metadata=self._metadata)
+                push()
+                return self._pulls[shard](pending.pulls[shard], timeout=self.timeout,
+                                          metadata=self._metadata)
             except grpc.RpcError as err:
                 code, detail = err.code(), err.details() or ""
                 waited = time.monotonic() - start
@@ -219,6 +254,8 @@ class PSClient(_ShardedClient):
                                 detail, tensor, round, delay)
                     time.sleep(delay * (1 + 0.2 * random.random()))
                     delay = min(2 * delay, 2.0)
+                    push = partial(self._push[shard], pending.pushes[shard],
+                                   timeout=self.timeout, metadata=self._metadata)
                     continue
                 if code is grpc.StatusCode.UNAVAILABLE:
                     detail = f"unreachable for {waited:.1f} s: {detail}"
@@ -237,7 +274,8 @@ class PSClient(_ShardedClient):
         return statuses
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False)
+        self._push_pool.shutdown(wait=False)
+        self._pull_pool.shutdown(wait=False)
         for channel in self._channels:
             channel.close()
 
@@ -286,7 +324,7 @@ class MPIPSClient(_ShardedClient):
     ``code`` ``"OK"`` or a gRPC status name with the error message as payload.
     """
 
-    def __init__(self, world: Any = None, value_dtype: str = "fp32") -> None:
+    def __init__(self, world: Any = None, value_dtype: str | None = None) -> None:
         if world is None:
             from mpi4py import MPI
 
@@ -296,10 +334,11 @@ class MPIPSClient(_ShardedClient):
         super().__init__(worker, value_dtype)
         self.addresses = [f"mpi rank {r}" for r in self.servers]
 
-    def _exchange(self, tensor: str, round: int, pushes: list[bytes],
-                  pulls: list[bytes]) -> list[bytes]:
-        self._round_trip(tensor, round, "push", pushes)
-        return self._round_trip(tensor, round, "pull", pulls)
+    def _send_pushes(self, pending: PendingRound) -> None:
+        self._round_trip(pending.tensor, pending.round, "push", pending.pushes)
+
+    def _pull(self, pending: PendingRound) -> list[bytes]:
+        return self._round_trip(pending.tensor, pending.round, "pull", pending.pulls)
 
     def _round_trip(self, tensor: str, round: int, op: str, frames: list[bytes]) -> list[bytes]:
         sends = [self.world.isend((op, frame), dest=rank, tag=MPI_REQUEST_TAG)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -10,7 +11,14 @@ from typing import Any
 import horovod.torch as hvd
 import torch
 
+from hvd_compress.comm.base import Communicator
 from hvd_compress.comm.horovod_torch import HorovodTorchCommunicator
+from hvd_compress.comm.parameter_server import (
+    PS_ENV,
+    ParameterServerCommunicator,
+    connect,
+    init_mpi_workers,
+)
 from hvd_compress.pipeline import Pipeline, StepStats
 from hvd_compress.policy import Policy
 from hvd_compress.schemes.base import Scheme
@@ -25,7 +33,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params: Any, named_parameters: list[tuple[str, torch.Tensor]] | None,
                  compression: Scheme, backward_passes_per_step: int, op: int,
                  gradient_predivide_factor: float, sparse_as_dense: bool, policy: Policy | None,
-                 seed: int, process_set: Any) -> None:
+                 seed: int, process_set: Any, ps: str | None) -> None:
         super(self.__class__, self).__init__(params)
         if named_parameters is None:
             named_parameters = [(f"allreduce.noname.{i}.{j}", p)
@@ -51,8 +59,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.backward_passes_per_step = backward_passes_per_step
         self._delay = {p: backward_passes_per_step for p in self._parameter_names}
         self.sparse_as_dense = sparse_as_dense
+        comm: Communicator = HorovodTorchCommunicator(process_set)
+        if ps:
+            session = hvd.broadcast_object(os.urandom(4).hex(), root_rank=0,
+                                           process_set=comm.process_set)
+            comm = ParameterServerCommunicator(comm, connect(ps, comm.rank), session)
         self._pipeline = Pipeline(
-            compression, HorovodTorchCommunicator(process_set), policy,
+            compression, comm, policy,
             average=(op == hvd.Average), prescale=gradient_predivide_factor, seed=seed)
         self._submitted: set[torch.Tensor] = set()
         self._requires_update: list[torch.Tensor] = []
@@ -187,6 +200,7 @@ def DistributedOptimizer(
     *,
     policy: Policy | None = None,
     seed: int = 0,
+    ps: str | None = None,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over all ranks and
     exchanged with ``compression``.
@@ -203,6 +217,14 @@ def DistributedOptimizer(
         policy: which tensors are compressed (:class:`hvd_compress.Policy`; by default,
             tensors of at least 1024 elements and two or more dimensions).
         seed: base seed of the schemes' random streams; the same on every rank.
+        ps: parameter servers (``python -m ps_server``) that sum the sparse schemes'
+            pairs (top-k, DGC): ``"grpc://host:7070,host:7071"`` (one address per shard,
+            ``grpcs://`` for TLS with the CA file in ``$HVD_COMPRESS_PS_CA``), or ``"mpi"``
+            for servers in the same MPMD ``mpirun`` (start Horovod with
+            :func:`hvd_compress.torch.init`). Defaults to ``$HVD_COMPRESS_PS``; with neither,
+            sparse pairs are summed by Horovod ``allgather`` (same frames, same sums). Every
+            other collective goes through Horovod either way. The token is read from
+            ``$HVD_COMPRESS_PS_TOKEN``.
 
     Horovod's explicit ``groups``/``num_groups`` are not supported (Horovod's tensor fusion
     still batches small all-reduces), nor is ``op=hvd.Adasum``: both raise ``ValueError``.
@@ -223,8 +245,24 @@ def DistributedOptimizer(
                          "omit them (Horovod's tensor fusion still batches small tensors)")
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__))
+    if ps is None:
+        ps = os.environ.get(PS_ENV) or None
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step,
-               op, gradient_predivide_factor, sparse_as_dense, policy, seed, process_set)
+               op, gradient_predivide_factor, sparse_as_dense, policy, seed, process_set, ps)
+
+
+def init(ps: str | None = None, **kwargs: Any) -> None:
+    """``hvd.init()``, or, for ``ps="mpi"`` (default ``$HVD_COMPRESS_PS``), split the
+    parameter-server ranks of an MPMD ``mpirun`` off ``MPI.COMM_WORLD`` and start Horovod on
+    the workers' communicator (``mpirun -np 2 python train.py : -np 1 python -m ps_server
+    --transport mpi --workers 2``). ``kwargs`` go to ``hvd.init``."""
+    ps = ps if ps is not None else os.environ.get(PS_ENV, "")
+    if ps.strip().lower() == "mpi":
+        if "comm" in kwargs:
+            raise ValueError("init(ps='mpi') makes the workers' communicator itself; do not "
+                             "pass comm=")
+        kwargs["comm"] = init_mpi_workers()
+    hvd.init(**kwargs)
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:

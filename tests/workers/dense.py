@@ -10,17 +10,22 @@ import torch
 from torch import nn
 
 from hvd_compress import Compression, NonFiniteGradientError, Pipeline, Policy
+from hvd_compress.comm.base import Communicator
 from hvd_compress.comm.horovod_torch import HorovodTorchCommunicator
+from hvd_compress.comm.parameter_server import ParameterServerCommunicator, connect
 from hvd_compress.schemes.dense import FP16, NoCompression
 from hvd_compress.torch import DistributedOptimizer, broadcast_optimizer_state
 
 SHAPES = [(33, 17), (256, 40), (1000,), (6, 3, 3, 3)]
 
 
-def aggregates(specs: list[str]) -> dict[str, Any]:
+def aggregates(specs: list[str], ps: str | None = None) -> dict[str, Any]:
     """One exchange per scheme of rank-specific tensors; return what the parent needs to
-    check that the aggregate is the sum of every rank's decoded contribution."""
-    comm = HorovodTorchCommunicator()
+    check that the aggregate is the sum of every rank's decoded contribution. ``ps``: sum
+    sparse pairs on these parameter servers instead of by Horovod ``allgather``."""
+    comm: Communicator = HorovodTorchCommunicator()
+    if ps:
+        comm = ParameterServerCommunicator(comm, connect(ps, comm.rank), session="aggregates")
     gen = torch.Generator().manual_seed(100 + hvd.rank())
     out: dict[str, Any] = {}
     for spec in specs:
@@ -62,13 +67,14 @@ def _batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
             for _ in range(steps)]
 
 
-def _setup(spec: str, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+def _setup(spec: str, seed: int = 0, ps: str | None = None
+           ) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     model = _Net()
     optimizer = DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
         named_parameters=model.named_parameters(), compression=Compression.parse(spec),
-        policy=Policy(min_numel=256))
+        policy=Policy(min_numel=256), ps=ps)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     broadcast_optimizer_state(optimizer, root_rank=0)
     return model, optimizer
@@ -86,18 +92,18 @@ def _flat(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def training(specs: list[str], steps: int = 6) -> dict[str, Any]:
+def training(specs: list[str], steps: int = 6, ps: str | None = None) -> dict[str, Any]:
     """Per scheme: parameters after ``steps`` steps, and whether resuming from a
     checkpoint taken one step earlier reproduces the last step exactly."""
     out: dict[str, Any] = {}
     batches = _batches(steps)
     for spec in specs:
-        model, optimizer = _setup(spec)
+        model, optimizer = _setup(spec, ps=ps)
         _train(model, optimizer, batches[:-1])
         checkpoint = copy.deepcopy((model.state_dict(), optimizer.state_dict()))
         _train(model, optimizer, batches[-1:])
 
-        resumed_model, resumed_optimizer = _setup(spec, seed=99)
+        resumed_model, resumed_optimizer = _setup(spec, seed=99, ps=ps)
         resumed_model.load_state_dict(checkpoint[0])
         resumed_optimizer.load_state_dict(checkpoint[1])
         _train(resumed_model, resumed_optimizer, batches[-1:])
@@ -162,9 +168,16 @@ def stock_optimizer() -> dict[str, Any]:
     return out
 
 
-def digits(specs: list[str], epochs: int) -> dict[str, float]:
+def digits(specs: list[str], epochs: int, ps: str | None = None) -> dict[str, float]:
     """Test accuracy on scikit-learn's digits after ``epochs`` epochs, per scheme."""
     from examples.digits import train
 
     torch.set_num_threads(1)
-    return {spec: train(spec, epochs=epochs).test_accuracy for spec in specs}
+    return {spec: train(spec, epochs=epochs, ps=ps).test_accuracy for spec in specs}
+
+
+def sparse(aggregate_specs: list[str], train_specs: list[str],
+           ps: str | None = None) -> dict[str, Any]:
+    """:func:`aggregates` and :func:`training` in one launch."""
+    return {"aggregates": aggregates(aggregate_specs, ps),
+            "training": training(train_specs, ps=ps)}

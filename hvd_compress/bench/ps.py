@@ -1,0 +1,230 @@
+"""Parameter-server aggregation throughput: (index, value) pairs summed per second.
+
+Two measurements per (shards, workers) pair, both on one sparse tensor of ``numel``
+elements where each simulated worker pushes ``density * numel`` random pairs (fp32 values,
+delta+varint indices) per round, for ``rounds`` rounds:
+
+* ``grpc``: real server processes (``python -m ps_server``, one per shard, on loopback)
+  and one client thread per worker sending pre-encoded frames over gRPC: push, then pull
+  the aggregate (not decoded: the client's cost is kept out of the figure). Throughput is
+  pairs pushed per wall-clock second divided by the number of server processes; the
+  server processes' CPU seconds are reported beside it, since clients and servers share
+  this machine's cores.
+* ``in-process``: the same frames through one shard's request handling
+  (:class:`ps_server.service.ShardService`: decode, scatter-add, close, encode the
+  aggregate once) called directly on one thread: the aggregation code without transport.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import psutil
+
+from hvd_compress.bench.report import Column, Row, Target, field
+from hvd_compress.comm.ps_client import GRPC_SERVICE, shard_bounds
+from hvd_compress.sparse_wire import Kind, encode_frame
+from ps_server.service import ShardService
+from ps_server.store import ShardStore
+
+TENSOR = "bench.ps"
+READY = re.compile(r"serving shard \d+/\d+ on (\S+) ")
+
+COLUMNS = [
+    Column("transport", field("transport")),
+    Column("shards", field("shards")),
+    Column("workers", field("workers")),
+    Column("pairs/round", field("pairs_per_round", "{:,}")),
+    Column("wall s", field("seconds", "{:.3f}")),
+    Column("server cpu s", lambda r: "-" if r["server_cpu_seconds"] is None
+           else f"{r['server_cpu_seconds']:.3f}"),
+    Column("M pairs/s per server", field("mpairs_per_s_per_server", "{:.2f}")),
+    Column("M pairs per server cpu s", lambda r: "-" if r["mpairs_per_server_cpu_s"] is None
+           else f"{r['mpairs_per_server_cpu_s']:.2f}"),
+]
+TARGETS = [Target({"transport": t}, "mpairs_per_s_per_server", ">=", 50.0)
+           for t in ("grpc", "in-process")]
+
+
+def title(numel: int, density: float, rounds: int) -> str:
+    return (f"Parameter-server throughput: one tensor of {numel:,} elements, density "
+            f"{density:g}, {rounds} rounds, union mode, fp32 values (pairs pushed by all "
+            f"workers per second, per server process)")
+
+
+def make_frames(workers: int, shards: int, numel: int, density: float, rounds: int,
+                seed: int = 0) -> tuple[list[list[list[bytes]]], list[list[list[bytes]]]]:
+    """``pushes[w][r][s]`` and ``pulls[w][r][s]``: encoded frames for every worker, round
+    and shard (random supports, different per worker and round)."""
+    rng = np.random.default_rng(seed)
+    k = max(1, int(density * numel))
+    bounds = shard_bounds(numel, shards)
+    pushes, pulls = [], []
+    for w in range(workers):
+        worker_pushes, worker_pulls = [], []
+        for r in range(rounds):
+            idx = np.sort(rng.choice(numel, k, replace=False))
+            val = rng.standard_normal(k).astype(np.float32)
+            cuts = np.searchsorted(idx, bounds)
+            worker_pushes.append([
+                encode_frame(Kind.PUSH, TENSOR, s, shards, r, w, bounds[s + 1] - bounds[s],
+                             idx[cuts[s]:cuts[s + 1]] - bounds[s], val[cuts[s]:cuts[s + 1]])
+                for s in range(shards)])
+            worker_pulls.append([
+                encode_frame(Kind.PULL, TENSOR, s, shards, r, w, bounds[s + 1] - bounds[s])
+                for s in range(shards)])
+        pushes.append(worker_pushes)
+        pulls.append(worker_pulls)
+    return pushes, pulls
+
+
+def _row(transport: str, shards: int, workers: int, pairs_per_round: int, rounds: int,
+         seconds: float, server_cpu: float | None) -> Row:
+    pairs = pairs_per_round * rounds
+    return {
+        "transport": transport, "shards": shards, "workers": workers,
+        "pairs_per_round": pairs_per_round, "rounds": rounds, "seconds": seconds,
+        "server_cpu_seconds": server_cpu,
+        "mpairs_per_s_per_server": pairs / seconds / shards / 1e6,
+        "mpairs_per_server_cpu_s": None if not server_cpu else pairs / server_cpu / 1e6,
+    }
+
+
+def measure_in_process(workers: int, numel: int, density: float, rounds: int) -> Row:
+    """One shard's request handling, called directly (see the module docstring)."""
+    pushes, pulls = make_frames(workers, 1, numel, density, rounds)
+    service = ShardService(ShardStore(workers, 0, 1))
+    start = time.perf_counter()
+    for r in range(rounds):
+        for w in range(workers):
+            service.push(pushes[w][r][0], "bench")
+        for w in range(workers):
+            service.pull(pulls[w][r][0], "bench", timeout=60.0)
+    seconds = time.perf_counter() - start
+    k = max(1, int(density * numel))
+    return _row("in-process", 1, workers, workers * k, rounds, seconds, None)
+
+
+class _Servers:
+    """``shards`` server processes on loopback ports, each logging to a file."""
+
+    def __init__(self, shards: int, workers: int) -> None:
+        self.dir = tempfile.TemporaryDirectory(prefix="hvdc-bench-ps-")
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.addresses: list[str] = []
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+        try:
+            for s in range(shards):
+                log = Path(self.dir.name) / f"shard{s}.log"
+                with log.open("wb") as out:
+                    self.procs.append(subprocess.Popen(
+                        [sys.executable, "-m", "ps_server", "--bind", "127.0.0.1:0",
+                         "--workers", str(workers), "--shard", f"{s}/{shards}",
+                         "--deadline", "600", "--max-message-mb", "512"],
+                        stdout=out, stderr=subprocess.STDOUT, env=env))
+                self.addresses.append(self._wait_ready(self.procs[-1], log))
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def _wait_ready(proc: subprocess.Popen[bytes], log: Path, timeout: float = 60) -> str:
+        give_up = time.monotonic() + timeout
+        while time.monotonic() < give_up:
+            text = log.read_text(errors="replace")
+            if match := READY.search(text):
+                return match.group(1)
+            if proc.poll() is not None:
+                raise RuntimeError(f"parameter server exited with {proc.returncode}:\n{text}")
+            time.sleep(0.1)
+        raise RuntimeError(f"parameter server not ready within {timeout} s:\n"
+                           + log.read_text(errors="replace"))
+
+    def cpu_seconds(self) -> float:
+        total = 0.0
+        for proc in self.procs:
+            times = psutil.Process(proc.pid).cpu_times()
+            total += times.user + times.system
+        return total
+
+    def close(self) -> None:
+        for proc in self.procs:
+            proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.dir.cleanup()
+
+
+def measure_grpc(shards: int, workers: int, numel: int, density: float, rounds: int) -> Row:
+    """Server processes over gRPC (see the module docstring)."""
+    import grpc
+
+    pushes, pulls = make_frames(workers, shards, numel, density, rounds)
+    servers = _Servers(shards, workers)
+    options = [("grpc.max_send_message_length", 512 << 20),
+               ("grpc.max_receive_message_length", 512 << 20)]
+    channels = [[grpc.insecure_channel(a, options=options) for a in servers.addresses]
+                for _ in range(workers)]
+    errors: list[BaseException] = []
+
+    def worker(w: int, barrier: threading.Barrier) -> None:
+        push = [c.unary_unary(f"/{GRPC_SERVICE}/Push") for c in channels[w]]
+        pull = [c.unary_unary(f"/{GRPC_SERVICE}/Pull") for c in channels[w]]
+        try:
+            barrier.wait()
+            for r in range(rounds):
+                for s in range(shards):
+                    push[s](pushes[w][r][s], timeout=600)
+                for s in range(shards):
+                    pull[s](pulls[w][r][s], timeout=600)
+        except BaseException as err:  # reported by the caller
+            errors.append(err)
+            barrier.abort()
+
+    try:
+        for w in range(workers):  # connect before timing
+            for channel in channels[w]:
+                grpc.channel_ready_future(channel).result(timeout=30)
+        barrier = threading.Barrier(workers + 1)
+        threads = [threading.Thread(target=worker, args=(w, barrier)) for w in range(workers)]
+        for t in threads:
+            t.start()
+        cpu_before = servers.cpu_seconds()
+        barrier.wait()
+        start = time.perf_counter()
+        for t in threads:
+            t.join()
+        seconds = time.perf_counter() - start
+        cpu = servers.cpu_seconds() - cpu_before
+    finally:
+        for row in channels:
+            for channel in row:
+                channel.close()
+        servers.close()
+    if errors:
+        raise RuntimeError(f"a simulated worker failed: {errors[0]!r}") from errors[0]
+    k = max(1, int(density * numel))
+    return _row("grpc", shards, workers, workers * k, rounds, seconds, cpu)
+
+
+def run(workers_list: Sequence[int], shards_list: Sequence[int], numel: int,
+        density: float, rounds: int) -> list[Row]:
+    rows = [measure_in_process(w, numel, density, rounds) for w in workers_list]
+    rows += [measure_grpc(s, w, numel, density, rounds)
+             for s in shards_list for w in workers_list]
+    return rows
