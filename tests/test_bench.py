@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hvd_compress import Compression
-from hvd_compress.bench import SCHEMES
+from hvd_compress.bench import SCHEMES, SPARSE_SCHEMES
 from hvd_compress.bench.cli import main
 from hvd_compress.bench.kernels import KERNEL_SCHEMES, make_kernel, parse_count
 from hvd_compress.bench.wire_bytes import LAYER_SETS
@@ -30,7 +30,7 @@ def run_bench(tmp_path: Path, *argv: str) -> list[dict[str, Any]]:
 def wire_rows(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], dict]:
     rows = run_bench(tmp_path_factory.mktemp("wire"), "wire", "--layers", "matrix,tiny")
     assert [(r["layers"], r["scheme"]) for r in rows] == [
-        (layers, spec) for layers in ("matrix", "tiny") for spec in SCHEMES]
+        (layers, spec) for layers in ("matrix", "tiny") for spec in SCHEMES + SPARSE_SCHEMES]
     return {(r["layers"], r["scheme"]): r for r in rows}
 
 
@@ -58,8 +58,21 @@ def test_matrix_ratios_meet_targets(wire_rows: dict) -> None:
     assert wire_rows["matrix", "fp16"]["ratio"] == 2
     checked = [r for r in wire_rows.values() if "target" in r]
     assert {r["scheme"] for r in checked} == {"onebit", "qsgd:bits=4", "fp16",
-                                              "powersgd:rank=4,start_iter=0"}
+                                              "powersgd:rank=4,start_iter=0",
+                                              "topk:ratio=0.001,values=fp16"}
     assert all(r["layers"] == "matrix" and r["target_met"] for r in checked)
+
+
+def test_sparse_rows_count_coded_indices_and_values(wire_rows: dict) -> None:
+    k = 16_778  # ceil(0.001 * 4096 * 4096)
+    fp32, fp16 = wire_rows["matrix", "topk:ratio=0.001"], wire_rows["matrix",
+                                                                   "topk:ratio=0.001,values=fp16"]
+    # Same gradients, same indices: fp16 values save exactly 2 bytes per pair.
+    assert fp32["bytes"] - fp16["bytes"] == 2 * k
+    # Each varint index takes 1 to 3 bytes for gaps below 2**21 (4-byte prediction).
+    assert k * (1 + 4) <= fp32["bytes"] < fp32["predicted_bytes"] == k * (4 + 4)
+    assert fp16["ratio"] >= 800
+    assert fp32["collective_bytes"] == {"sparse": fp32["bytes"]}
 
 
 def test_matrix_collective_rounds(wire_rows: dict) -> None:
@@ -158,3 +171,17 @@ def test_cli_rejects_bad_options(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     assert exit_info.value.code == 2
+
+
+def test_ps_bench_rows_count_the_pushed_pairs(tmp_path: Path) -> None:
+    rows = run_bench(tmp_path, "ps", "--workers", "2,3", "--shards", "2", "--numel", "64K",
+                     "--density", "0.05", "--rounds", "2")
+    assert [(r["transport"], r["shards"], r["workers"]) for r in rows] == [
+        ("in-process", 1, 2), ("in-process", 1, 3), ("grpc", 2, 2), ("grpc", 2, 3)]
+    for row in rows:
+        pairs = row["workers"] * int(0.05 * 65536) * row["rounds"]
+        assert row["pairs_per_round"] * row["rounds"] == pairs
+        assert row["mpairs_per_s_per_server"] == pytest.approx(
+            pairs / row["seconds"] / row["shards"] / 1e6)
+        assert (row["server_cpu_seconds"] is None) == (row["transport"] == "in-process")
+        assert "target_met" in row

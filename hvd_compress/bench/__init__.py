@@ -17,4 +17,12 @@ SCHEMES = (
     "powersgd:rank=4,start_iter=0",
     "powersgd:rank=1,start_iter=0",
 )
-"""The schemes benchmarked, as :meth:`hvd_compress.Compression.parse` spec strings."""
+"""The dense schemes benchmarked, as :meth:`hvd_compress.Compression.parse` spec strings."""
+
+SPARSE_SCHEMES = (
+    "topk:ratio=0.001",
+    "topk:ratio=0.001,values=fp16",
+    "dgc:ratio=0.001",
+    "randomk:ratio=0.01",
+)
+"""The sparse schemes of the wire benchmark (their pairs' coded index and value bytes)."""
