@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -185,3 +188,20 @@ def test_ps_bench_rows_count_the_pushed_pairs(tmp_path: Path) -> None:
             pairs / row["seconds"] / row["shards"] / 1e6)
         assert (row["server_cpu_seconds"] is None) == (row["transport"] == "in-process")
         assert "target_met" in row
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("tc") or not shutil.which("ip"),
+                    reason="needs root, ip and tc for network namespaces")
+def test_link_bench_runs_ranks_on_throttled_namespaces_and_cleans_up(tmp_path: Path) -> None:
+    before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    rows = run_bench(tmp_path, "link", "--layers", "tiny", "--rate", "1mbit", "--steps", "2",
+                     "--schemes", "none", "onebit")
+    assert [r["scheme"] for r in rows] == ["none", "onebit"]
+    none, onebit = rows
+    assert none["bytes"] == none["dense_bytes"] > 10 * onebit["bytes"] > 0
+    # The link is the bottleneck: an ideal ring needs 0.31 s for these 39 KB at 1 Mbit/s,
+    # of which at most a 16 KiB burst may pass at once; 1-bit's 2 KB do not wait for it.
+    assert none["step_seconds"] >= 0.5 * none["ideal_fp32_seconds"]
+    assert onebit["speedup"] > 2
+    after = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert after == before

@@ -1,4 +1,4 @@
-"""Command line: ``python -m hvd_compress.bench {wire,kernels,ps} [options]``."""
+"""Command line: ``python -m hvd_compress.bench {wire,kernels,ps,link} [options]``."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
-from hvd_compress import bench
-from hvd_compress.bench import kernels, ps, wire_bytes
+from hvd_compress import Compression, bench
+from hvd_compress.bench import kernels, link, ps, wire_bytes
 from hvd_compress.bench.report import publish
 
 T = TypeVar("T")
@@ -38,6 +38,11 @@ def _layer_set(name: str) -> str:
         raise ValueError(f"unknown layer set {name!r}; choose from "
                          f"{', '.join(wire_bytes.LAYER_SETS)}")
     return name
+
+
+def _scheme_spec(text: str) -> str:
+    Compression.parse(text)  # raises ValueError with the reason, which argparse reports
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,6 +78,18 @@ def build_parser() -> argparse.ArgumentParser:
                         help="fraction of the elements each worker pushes (default 0.01)")
     server.add_argument("--rounds", type=_positive_int, default=5,
                         help="rounds timed per configuration (default 5)")
+
+    links = commands.add_parser("link", help="step time on emulated hosts with throttled "
+                                "links (root; network namespaces and tc)")
+    links.add_argument("--json", type=Path, help="write the rows to this file")
+    links.add_argument("--layers", type=_layer_set, default="resnet",
+                       help="the layer set whose gradients are reduced (default resnet)")
+    links.add_argument("--schemes", type=_scheme_spec, nargs="+",
+                       default=list(link.LINK_SCHEMES),
+                       help=f"scheme specs (default: {' '.join(link.LINK_SCHEMES)})")
+    links.add_argument("--rate", default="100mbit", help="link rate for tc (default 100mbit)")
+    links.add_argument("--steps", type=_positive_int, default=3,
+                       help="timed steps per scheme (default 3)")
     return parser
 
 
@@ -85,6 +102,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args.command == "kernels":
         rows = kernels.run(args.sizes, args.repeat)
         publish(kernels.title(args.repeat), rows, kernels.COLUMNS, kernels.TARGETS, args.json)
+    elif args.command == "link":
+        link.rate_bits(args.rate)
+        rows = link.run(args.layers, args.schemes, args.rate, args.steps)
+        publish(link.title(args.rate, args.steps), rows, link.COLUMNS, link.TARGETS, args.json)
     else:
         if not 0 < args.density <= 1:
             raise SystemExit(f"--density must be in (0, 1], got {args.density}")

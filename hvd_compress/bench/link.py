@@ -1,0 +1,203 @@
+"""Step time on throttled links: 2 emulated hosts, real Horovod over MPI, real sockets.
+
+Each rank runs in its own network namespace, joined to the others by a veth pair on a
+bridge, with a token-bucket filter (``tc ... tbf rate RATE``) on both ends of every link,
+so each host sends and receives at most ``RATE``. ``mpirun`` starts the ranks inside the
+namespaces (its ``plm_rsh_agent`` is a script that maps a host address to
+``ip netns exec``), with OpenMPI's ring all-reduce (``coll_tuned_allreduce_algorithm 4``).
+Every rank reduces the same random gradients of a layer set through the
+:class:`~hvd_compress.Pipeline` of each scheme; the step time is the median over
+``steps`` timed steps after one warm-up, each step started after a barrier.
+
+Needs root, ``ip`` and ``tc``; the namespaces, bridge and links are created for the run and
+deleted after it, and traffic stays between them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+from hvd_compress.bench.report import Column, Row, field
+
+RANKS = 2
+LINK_SCHEMES = ("none", "fp16", "onebit", "qsgd:bits=4", "powersgd:rank=4,start_iter=0",
+                "topk:ratio=0.001")
+
+COLUMNS = (
+    Column("layers", field("layers")),
+    Column("scheme", field("scheme")),
+    Column("payload bytes", field("bytes", "{:,}")),
+    Column("step s", field("step_seconds", "{:.3f}")),
+    Column("speed-up vs none", lambda r: "-" if r["speedup"] is None
+           else f"{r['speedup']:.2f}x"),
+    Column("fp32 ring time s", field("ideal_fp32_seconds", "{:.3f}")),
+)
+TARGETS = ()
+
+
+def title(rate: str, steps: int) -> str:
+    return (f"Step time of {RANKS} ranks on emulated hosts with {rate} links (mpirun, ring "
+            f"all-reduce; median of {steps} steps). 'fp32 ring time' is the time an ideal "
+            "ring needs for the uncompressed gradients at the link rate.")
+
+
+def rate_bits(rate: str) -> float:
+    """``100mbit``, ``1gbit``, ``10gbit`` -> bits per second."""
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+    for suffix, scale in units.items():
+        if rate.endswith(suffix) and rate[:-len(suffix)].replace(".", "", 1).isdigit():
+            return float(rate[:-len(suffix)]) * scale
+    raise ValueError(f"link rate must look like 100mbit or 1gbit, got {rate!r}")
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+@contextmanager
+def emulated_hosts(count: int, rate: str) -> Iterator[list[str]]:
+    """``count`` namespaces on a bridge, links throttled to ``rate``; yields their
+    addresses (host ``i`` lives in namespace ``<prefix>-i``)."""
+    tag = f"{os.getpid() % 100000}"
+    subnet = f"10.213.{os.getpid() % 200 + 20}"
+    bridge, namespaces, host_ends = f"hvdcb{tag}", [], []
+    burst = max(int(rate_bits(rate) / 8 / 250), 16 << 10)  # one 4 ms tick, at least 16 KiB
+    tbf = ["tbf", "rate", rate, "burst", str(burst), "latency", "100ms"]
+    try:
+        _ip("link", "add", bridge, "type", "bridge")
+        _ip("addr", "add", f"{subnet}.254/24", "dev", bridge)
+        _ip("link", "set", bridge, "up")
+        addresses = []
+        for i in range(count):
+            ns, host_end, ns_end = f"hvdc-{tag}-{i}", f"hv{tag}h{i}", f"hv{tag}n{i}"
+            _ip("netns", "add", ns)
+            namespaces.append(ns)
+            _ip("link", "add", host_end, "type", "veth", "peer", "name", ns_end)
+            host_ends.append(host_end)
+            _ip("link", "set", ns_end, "netns", ns)
+            _ip("link", "set", host_end, "master", bridge)
+            _ip("link", "set", host_end, "up")
+            _ip("-n", ns, "addr", "add", f"{subnet}.{i + 1}/24", "dev", ns_end)
+            _ip("-n", ns, "link", "set", ns_end, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+            subprocess.run(["tc", "qdisc", "add", "dev", host_end, "root", *tbf], check=True)
+            subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", ns_end,
+                            "root", *tbf], check=True)
+            addresses.append(f"{subnet}.{i + 1}")
+        yield addresses
+    finally:
+        for host_end in host_ends:
+            subprocess.run(["ip", "link", "del", host_end], capture_output=True)
+        for ns in namespaces:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        subprocess.run(["ip", "link", "del", bridge], capture_output=True)
+
+
+def _agent_script(directory: Path, addresses: Sequence[str]) -> Path:
+    """The ``plm_rsh_agent`` mpirun calls as ``agent HOST COMMAND...``."""
+    tag = f"{os.getpid() % 100000}"
+    cases = "\n".join(f'    {a}) ns=hvdc-{tag}-{i} ;;' for i, a in enumerate(addresses))
+    script = directory / "netns-agent.sh"
+    script.write_text(f"""#!/bin/sh
+host="$1"; shift
+case "$host" in
+{cases}
+    *) echo "unknown emulated host $host" >&2; exit 1 ;;
+esac
+exec ip netns exec "$ns" sh -c "$*"
+""")
+    script.chmod(0o755)
+    return script
+
+
+def run(layers: str, schemes: Sequence[str], rate: str, steps: int,
+        timeout: float = 1800) -> list[Row]:
+    """Launch the ranks on emulated hosts; returns one row per scheme."""
+    if os.geteuid() != 0:
+        raise SystemExit("the link benchmark needs root (network namespaces and tc)")
+    root = str(Path(__file__).resolve().parents[2])
+    with tempfile.TemporaryDirectory(prefix="hvdc-link-") as tmp, \
+            emulated_hosts(RANKS, rate) as addresses:
+        subnet = addresses[0].rsplit(".", 1)[0] + ".0/24"
+        out = Path(tmp) / "rows.json"
+        env = dict(os.environ, OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="3")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]])
+        cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
+               "-np", str(RANKS), "--host", ",".join(f"{a}:1" for a in addresses),
+               "--mca", "plm_rsh_agent", str(_agent_script(Path(tmp), addresses)),
+               "--mca", "plm_rsh_no_tree_spawn", "1", "--mca", "routed", "direct",
+               "--mca", "oob_tcp_if_include", subnet, "--mca", "btl", "self,tcp",
+               "--mca", "btl_tcp_if_include", subnet,
+               "--mca", "coll_tuned_use_dynamic_rules", "1",
+               "--mca", "coll_tuned_allreduce_algorithm", "4",
+               "-x", "PATH", "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS",
+               "-x", "TF_CPP_MIN_LOG_LEVEL",
+               sys.executable, "-m", "hvd_compress.bench.link", "--out", str(out),
+               "--layers", layers, "--steps", str(steps), "--rate", rate,
+               "--schemes", *schemes]
+        done = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True,
+                              timeout=timeout)
+        if done.returncode != 0 or not out.exists():
+            raise RuntimeError(f"link benchmark ranks failed ({done.returncode}):\n"
+                               f"{done.stdout[-4000:]}\n{done.stderr[-4000:]}")
+        return json.loads(out.read_text())
+
+
+def rank_main(argv: Sequence[str] | None = None) -> None:
+    """One rank: time each scheme's step on the layer set, rank 0 writes the rows."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--layers", required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--rate", required=True)
+    parser.add_argument("--schemes", nargs="+", required=True)
+    args = parser.parse_args(argv)
+
+    import horovod.torch as hvd
+    import torch
+
+    from hvd_compress import Compression, Pipeline, Policy
+    from hvd_compress.bench.wire_bytes import LAYER_SETS
+    from hvd_compress.comm.horovod_torch import HorovodTorchCommunicator
+
+    hvd.init()
+    torch.set_num_threads(1)
+    comm = HorovodTorchCommunicator()
+    gen = torch.Generator().manual_seed(hvd.rank())
+    grads = {name: torch.randn(shape, generator=gen)
+             for name, shape in LAYER_SETS[args.layers].items()}
+    dense_bytes = 4 * sum(g.numel() for g in grads.values())
+    ideal = 2 * (hvd.size() - 1) / hvd.size() * dense_bytes * 8 / rate_bits(args.rate)
+    rows: list[Row] = []
+    for spec in args.schemes:
+        pipeline = Pipeline(Compression.parse(spec), comm, Policy())
+        times = []
+        for step in range(1 + args.steps):
+            hvd.allreduce(torch.zeros(1), name=f"link.barrier.{spec}.{step}")
+            start = time.perf_counter()
+            pipeline.reduce(grads)
+            times.append(time.perf_counter() - start)
+        rows.append({"layers": args.layers, "scheme": spec, "rate": args.rate,
+                     "bytes": pipeline.last_step.payload_bytes, "dense_bytes": dense_bytes,
+                     "step_seconds": statistics.median(times[1:]),
+                     "ideal_fp32_seconds": ideal})
+    base = next((r["step_seconds"] for r in rows if r["scheme"] == "none"), None)
+    for row in rows:
+        row["speedup"] = None if base is None else base / row["step_seconds"]
+    if hvd.rank() == 0:
+        args.out.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    rank_main()
