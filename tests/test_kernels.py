@@ -17,7 +17,7 @@ CODECS = [
     Compression.terngrad(), Compression.terngrad(bucket_size=16),
     Compression.terngrad(bucket_size=30, clip=2.5, error_feedback=True),
 ]
-LENGTHS = [1, 7, 63, 64, 65, 1000, 100_003]  # the last is coded by several threads
+LENGTHS = [0, 1, 7, 63, 64, 65, 1000, 100_003]  # the last is coded by several threads
 
 
 def gradient(n: int, seed: int = 0) -> torch.Tensor:

@@ -10,11 +10,15 @@ intra-op threads (``torch.get_num_threads()``, in the title: every core unless l
 * packed codecs (bf16, onebit, qsgd, terngrad): ``decode(encode(x, generator), n)``; on the
   CPU onebit, qsgd and terngrad run the fused kernels of :mod:`hvd_compress.native`;
 * fp16: ``x.to(float16).to(float32)`` as its exchange does them (``compress`` and
-  ``decompress``, each into a fresh tensor);
+  ``decompress``);
 * powersgd: one step's local math through the scheme's own ``exchange`` run as the only
   rank (``P = M Q``, QR of ``P``, ``Q = M^T P``, and ``P Q^T`` twice: the aggregate and the
   part sent, for error feedback) on the tensor viewed as the squarest ``(n, m)`` matrix,
   with the warm-started ``Q`` of a previous step.
+
+Every output is a new tensor, as in an exchange; large CPU ones are lent recycled memory
+(:mod:`hvd_compress.native.buffers`), so from the warm-up on, as from a training's second
+step, they are written without page faults.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@
 // code and decoded value is the torch reference's float32 operation sequence (built with
 // -ffp-contract=off, so no fused multiply-adds). Bucket sums are accumulated in float64
 // and rounded to float32 once, as the reference does. Random draws are a counter-based
-// hash of (seed, element index), so a result does not depend on the thread count.
+// hash of (seed, bucket, element), so a result does not depend on the thread count.
 //
 // Plain C ABI, called through ctypes (hvd_compress/native/__init__.py).
 
