@@ -56,15 +56,18 @@ _disabled = contextvars.ContextVar("hvd_compress_native_disabled", default=False
 
 
 def compiler() -> str:
+    """The C++ compiler that builds the kernels: ``$HVD_COMPRESS_CXX`` or ``g++``."""
     return os.environ.get("HVD_COMPRESS_CXX", "g++")
 
 
 def cache_dir() -> Path:
+    """Where builds are kept: ``$HVD_COMPRESS_CACHE/native``, ``~/.cache/hvd-compress/native``."""
     root = os.environ.get("HVD_COMPRESS_CACHE") or Path.home() / ".cache" / "hvd-compress"
     return Path(root) / "native"
 
 
 def _cpu_identity() -> str:
+    """The CPU's model and feature flags, which ``-march=native`` builds for."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
