@@ -29,7 +29,9 @@ class OneBit(PackedScheme):
     ``bucket_size=128``). Smaller buckets or lower momentum help.
 
     The scale is summed in float64 and rounded to float32 once. CPU tensors are coded by
-    :mod:`hvd_compress.native`, byte for byte as the torch code here does on other devices.
+    :mod:`hvd_compress.native`, to the same bytes as the torch code here (which other
+    devices run); its float64 sums add in another order, which can only move a scale's
+    last float32 bit when a sum lies within float64 rounding of a float32 tie.
 
     Wire: ``ceil(n/8)`` bytes of sign bits (1 = non-negative; :func:`wire.pack_bits`), then
     ``ceil(n/bucket_size)`` float32 scales. With the default ``bucket_size=2048`` the payload
