@@ -3,7 +3,8 @@
 // Each encode reads its float32 chunk once: the chunk is cut into tiles of whole buckets
 // (and whole packing groups) that stay in cache; per tile, bucket statistics, then the
 // codes, then the packed bytes. Decode unpacks a tile's codes and scales them. Tiles run
-// on an OpenMP team of the size the caller passes (torch's intra-op thread count).
+// on an OpenMP team of the size the caller passes (torch's intra-op thread count), handed
+// out dynamically, so that a core busy with another process does not hold up the rest.
 //
 // The byte layouts are those of hvd_compress/wire.py, bit for bit; the arithmetic of each
 // code and decoded value is the torch reference's float32 operation sequence (built with
@@ -328,7 +329,7 @@ void for_each_tile(const Layout& layout, int64_t bucket, int threads, F fn) {
 #pragma omp parallel num_threads(team(layout.n, threads))
   {
     std::vector<uint8_t> codes(tiling.tile + 8);
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 4)
     for (int64_t t = 0; t < tiling.tiles; ++t) {
       const int64_t e0 = t * tiling.tile;
       const int64_t count = std::min(tiling.tile, layout.n - e0);
