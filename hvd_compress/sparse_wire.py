@@ -47,6 +47,8 @@ from enum import IntEnum
 
 import numpy as np
 
+from hvd_compress.native import sparse as native_sparse
+
 MAGIC = b"HVPS"
 VERSION = 1
 SERVER_ID = 0xFFFFFFFF
@@ -191,8 +193,10 @@ def _gaps(indices: np.ndarray) -> np.ndarray:
 
 def _section_sizes(indices: np.ndarray, numel: int, itemsize: int) -> dict[IndexCoding, int]:
     count = indices.size
+    varint = native_sparse.varint_index_nbytes(indices)
     return {
-        IndexCoding.VARINT: varint_nbytes(_gaps(indices)) + count * itemsize,
+        IndexCoding.VARINT: (varint_nbytes(_gaps(indices)) if varint is None else varint)
+        + count * itemsize,
         IndexCoding.BITMAP: bitmap_nbytes(numel) + count * itemsize,
         IndexCoding.DENSE: numel * itemsize,
     }
@@ -244,7 +248,8 @@ def encode_frame(kind: Kind, tensor: str, shard: int, shards: int, round: int, w
     if coding is None:
         coding = choose_coding(idx, numel, dtype.numpy.itemsize)
     if coding is IndexCoding.VARINT:
-        index_bytes = varint_encode(_gaps(idx)).tobytes()
+        section = native_sparse.varint_encode_indices(idx)
+        index_bytes = (varint_encode(_gaps(idx)) if section is None else section).tobytes()
     elif coding is IndexCoding.BITMAP:
         bits = np.zeros(bitmap_nbytes(numel) * 8, dtype=bool)
         bits[idx] = True
@@ -361,9 +366,13 @@ def _decode_indices(coding: IndexCoding, section: np.ndarray, numel: int,
         if indices.size != count:
             raise ValueError(f"bitmap holds {indices.size} indices, header says {count}")
         return indices
+    indices = native_sparse.varint_decode_indices(section, count, numel)
+    if indices is not None:
+        return indices
     gaps = varint_decode(section, count)
     if count and int(gaps.max()) >= numel:
-        raise ValueError(f"index gap {int(gaps.max())} reaches beyond numel {numel}")
+        raise ValueError(f"index gap {int(gaps.max())} reaches beyond numel {numel} "
+                         "(out of range)")
     # Each gap is below numel <= 2**32 and count is below the frame's byte size (< 2**31 for
     # any message gRPC or MPI delivers), so the int64 cumulative sum cannot overflow.
     indices = np.cumsum(gaps.astype(np.int64) + 1) - 1

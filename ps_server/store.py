@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from hvd_compress.native import sparse as native_sparse
 from hvd_compress.sparse_wire import (
     SERVER_ID,
     Frame,
@@ -87,7 +88,7 @@ class TensorState:
     round: int
     pushed: dict[int, int] = field(default_factory=dict)  # worker -> pairs pushed
     acc: np.ndarray | None = None
-    touched: np.ndarray | None = None
+    touched: np.ndarray | None = None  # bitmap of the elements pushed this round (uint64)
     opened: float | None = None
     residual: np.ndarray | None = None
     last: Finished | None = None
@@ -257,13 +258,11 @@ class ShardStore:
     def _add(self, state: TensorState, frame: Frame) -> None:
         if state.acc is None:
             state.acc = np.zeros(state.numel, dtype=np.float32)
-            state.touched = np.zeros(state.numel, dtype=bool)
-        if frame.count == state.numel:
-            state.acc += frame.values
-            state.touched[:] = True
-        else:
+            state.touched = np.zeros(native_sparse.touched_words(state.numel), dtype=np.uint64)
+        if not native_sparse.scatter_add(state.acc, state.touched, frame.indices, frame.values):
             state.acc[frame.indices] += frame.values  # indices are unique within a frame
-            state.touched[frame.indices] = True
+            bits = np.left_shift(np.uint64(1), (frame.indices & 63).astype(np.uint64))
+            np.bitwise_or.at(state.touched, frame.indices >> 6, bits)
         state.pushed[frame.worker] = frame.count
         if state.opened is None:
             state.opened = self.clock()
@@ -271,8 +270,15 @@ class ShardStore:
     def _close(self, tensor: str, state: TensorState) -> None:
         acc = state.acc  # allocated by the first push (_add)
         if self.mode == "union":
-            indices = np.flatnonzero(state.touched)
-            values = acc[indices]
+            # The union's pairs, leaving acc and touched zero for the next round.
+            pairs = native_sparse.collect(acc, state.touched)
+            if pairs is None:
+                bits = np.unpackbits(state.touched.view(np.uint8), bitorder="little")
+                indices = np.flatnonzero(bits[:state.numel])
+                pairs = indices, acc[indices]
+                acc[indices] = 0.0
+                state.touched.fill(0)
+            indices, values = pairs
         else:
             total = acc + state.residual
             if np.isfinite(total).all():
@@ -285,7 +291,9 @@ class ShardStore:
             else:
                 indices = np.arange(state.numel)
                 values = total
-        state.last = Finished(state.round, indices.astype(np.int64), values.astype(np.float32))
+            self._clear(state)
+        state.last = Finished(state.round, indices.astype(np.int64, copy=False),
+                              values.astype(np.float32, copy=False))
         self.closed_rounds += 1
         self._finish(tensor, state, None)
 
@@ -305,6 +313,7 @@ class ShardStore:
                      f"{state.round + 1}")
             log.error("%s", error)
             state.last = Finished(state.round, error=error)
+            self._clear(state)
             self.failed_rounds += 1
             self._finish(tensor, state, error)
 
@@ -314,10 +323,13 @@ class ShardStore:
         state.pushed = {}
         state.opened = None
         state.resumed = False
+        self._cond.notify_all()
+
+    @staticmethod
+    def _clear(state: TensorState) -> None:
         if state.acc is not None:
             state.acc.fill(0.0)
-            state.touched.fill(False)
-        self._cond.notify_all()
+            state.touched.fill(0)
 
     def _try_pull_locked(self, frame: Frame) -> bytes | None:
         state = self.tensors.get(frame.tensor)

@@ -19,6 +19,8 @@ from ps_server.store import (
 
 NUMEL = 2000
 
+pytestmark = pytest.mark.usefixtures("sparse_path")
+
 
 class Clock:
     def __init__(self) -> None:

@@ -8,6 +8,7 @@ import zlib
 import numpy as np
 import pytest
 
+from hvd_compress import native
 from hvd_compress.sparse_wire import (
     HEADER_BYTES,
     IndexCoding,
@@ -21,6 +22,8 @@ from hvd_compress.sparse_wire import (
     varint_encode,
     varint_nbytes,
 )
+
+pytestmark = pytest.mark.usefixtures("sparse_path")
 
 
 def _frame(numel: int = 1000, indices=(0, 5, 999), dtype: str = "fp32", **kw) -> bytes:
@@ -178,3 +181,16 @@ def test_split_frames_recovers_concatenated_frames():
         split_frames(b"".join(frames)[:-3])
     with pytest.raises(ValueError, match="magic"):
         split_frames(frames[0] + b"XXXX" + frames[1][4:])
+
+
+def test_native_and_numpy_frames_are_byte_identical():
+    rng = np.random.default_rng(11)
+    for numel, k in [(1, 1), (300, 7), (2**20, 1000), (2**31, 50)]:
+        idx = np.sort(rng.choice(min(numel, 2**24), k, replace=False)) * (numel // 2**24 or 1)
+        val = rng.standard_normal(k)
+        frame = encode_frame(Kind.PUSH, "w", 0, 1, 0, 0, numel, idx, val, "fp16",
+                             IndexCoding.VARINT)
+        with native.disabled():
+            assert encode_frame(Kind.PUSH, "w", 0, 1, 0, 0, numel, idx, val, "fp16",
+                                IndexCoding.VARINT) == frame
+        assert np.array_equal(decode_frame(frame).indices, idx)

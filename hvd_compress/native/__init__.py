@@ -1,11 +1,13 @@
-"""Native CPU kernels of the packed codecs (``codecs.cpp``), compiled once and cached.
+"""Native CPU kernels, compiled once and cached: the packed codecs (``codecs.cpp``) and
+the parameter server's sparse index coding and accumulator (``sparse.cpp``, used through
+:mod:`hvd_compress.native.sparse`).
 
 Each encode or decode of a CPU tensor is one fused pass over the data in C++ (OpenMP, with
 torch's intra-op thread count), writing the layouts of :mod:`hvd_compress.wire` bit for
 bit; tensors on other devices take the schemes' torch code. The shared library is built
 with the system C++ compiler (``g++``, or ``$HVD_COMPRESS_CXX``) into
 ``$HVD_COMPRESS_CACHE/native`` (default ``~/.cache/hvd-compress/native``), under a name
-that hashes the source, the flags and the CPU, so an edit or another machine gets its own
+that hashes the sources, the flags and the CPU, so an edit or another machine gets its own
 build; ``scripts/install.sh`` builds it (``python -m hvd_compress.native``).
 Should the build fail at run time, a warning says why and the torch code runs instead.
 
@@ -33,9 +35,10 @@ import torch
 
 from hvd_compress.native.buffers import empty
 
-__all__ = ["active", "build", "decode", "disabled", "empty", "encode", "library", "seed"]
+__all__ = ["active", "available", "build", "decode", "disabled", "empty", "encode", "library",
+           "seed"]
 
-SOURCE = Path(__file__).with_name("codecs.cpp")
+SOURCES = (Path(__file__).with_name("codecs.cpp"), Path(__file__).with_name("sparse.cpp"))
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp",
          "-std=c++17", "-shared", "-fPIC")
 """``-ffp-contract=off``: no fused multiply-adds, so the float32 arithmetic of every code
@@ -48,6 +51,14 @@ _SIGNATURES: dict[str, tuple] = {
     "terngrad_encode": (ctypes.c_double, ctypes.c_uint64), "terngrad_decode": (),
 }
 """Each kernel's options after the common (input, count, bucket size, output, threads)."""
+
+_SPARSE_SIGNATURES: dict[str, tuple] = {
+    "varint_decode": (_c_ptr, _c_int64, _c_int64, _c_int64, _c_ptr),
+    "varint_nbytes": (_c_ptr, _c_int64),
+    "varint_encode": (_c_ptr, _c_int64, _c_ptr),
+    "collect": (_c_ptr, _c_ptr, _c_int64, _c_ptr, _c_ptr),
+}
+"""Argument types of the ``sparse.cpp`` kernels that return an int64."""
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -78,8 +89,8 @@ def _cpu_identity() -> str:
 def library_path() -> Path:
     """Where the build for this source, flags and CPU lives (the C ABI does not depend on
     the compiler, so a build outlives the compiler that made it)."""
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), platform.machine(),
-                                    _cpu_identity()]).encode())
+    key = hashlib.sha256("\0".join([*(src.read_text() for src in SOURCES), " ".join(FLAGS),
+                                    platform.machine(), _cpu_identity()]).encode())
     return cache_dir() / f"hvdc-codecs-{key.hexdigest()[:16]}.so"
 
 
@@ -93,10 +104,11 @@ def build() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
     try:
-        result = subprocess.run([compiler(), *FLAGS, "-o", tmp, str(SOURCE)],
+        result = subprocess.run([compiler(), *FLAGS, "-o", tmp, *map(str, SOURCES)],
                                 capture_output=True, text=True)
         if result.returncode:
-            raise RuntimeError(f"compiling {SOURCE.name} failed:\n{result.stderr}")
+            names = " ".join(src.name for src in SOURCES)
+            raise RuntimeError(f"compiling {names} failed:\n{result.stderr}")
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -110,6 +122,11 @@ def _load() -> ctypes.CDLL:
         fn = getattr(lib, f"hvdc_{name}")
         fn.argtypes = [_c_ptr, _c_int64, _c_int64, _c_ptr, ctypes.c_int, *options]
         fn.restype = None
+    for name, argtypes in _SPARSE_SIGNATURES.items():
+        fn = getattr(lib, f"hvdc_{name}")
+        fn.argtypes, fn.restype = list(argtypes), _c_int64
+    lib.hvdc_scatter_add.argtypes = [_c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_int64]
+    lib.hvdc_scatter_add.restype = None
     return lib
 
 
@@ -124,10 +141,15 @@ def library() -> ctypes.CDLL | None:
                     _library = _load()
                 except (OSError, RuntimeError, subprocess.SubprocessError) as err:
                     _failure = str(err)
-                    warnings.warn(f"hvd_compress: native codec kernels unavailable, CPU "
-                                  f"tensors take the slower torch code: {err}",
+                    warnings.warn(f"hvd_compress: native kernels unavailable, CPU tensors and "
+                                  f"sparse frames take the slower torch/numpy code: {err}",
                                   RuntimeWarning, stacklevel=2)
     return _library
+
+
+def available() -> bool:
+    """Whether the kernels are built and not :func:`disabled` in this thread."""
+    return not _disabled.get() and library() is not None
 
 
 def active(t: torch.Tensor) -> bool:
@@ -137,7 +159,8 @@ def active(t: torch.Tensor) -> bool:
 
 @contextlib.contextmanager
 def disabled() -> Iterator[None]:
-    """Within the block (in this thread), CPU tensors take the torch code, as on a GPU."""
+    """Within the block (in this thread), CPU tensors take the torch code, as on a GPU, and
+    sparse frames the numpy code."""
     token = _disabled.set(True)
     try:
         yield
