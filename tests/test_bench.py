@@ -123,7 +123,16 @@ def test_resnet_layer_set_is_resnet18() -> None:
 
 
 def test_kernels_rows(tmp_path: Path) -> None:
-    rows = run_bench(tmp_path, "kernels", "--sizes", "64K,1000", "--repeat", "2")
+    every = run_bench(tmp_path, "kernels", "--sizes", "64K,1000", "--repeat", "2", "--no-tf",
+                      "--selection-sizes", "200K")
+    rows = [r for r in every if r["benchmark"] == "codecs"]
+    selection = [r for r in every if r["benchmark"] == "selection"]
+    assert len(rows) + len(selection) == len(every)
+    assert [(r["numel"], r["density"], r["k"]) for r in selection] == [
+        (204800, 0.001, 205), (204800, 0.01, 2048)]
+    for row in selection:
+        assert row["speedup"] == pytest.approx(row["topk_ms"] / row["threshold_ms"])
+        assert 0.9 <= row["recall"] <= 1.0 and row["target_met"]
     assert [(r["numel"], r["scheme"]) for r in rows] == [
         (n, spec) for n in (65536, 1000) for spec in KERNEL_SCHEMES]
     for row in rows:

@@ -122,10 +122,10 @@ def test_keras_digits_converge_like_uncompressed() -> None:
 
 def test_dlpack_overhead_benchmark_reports_both_paths(tmp_path: Path) -> None:
     out = tmp_path / "rows.json"
-    done = run_command([sys.executable, "-m", "hvd_compress.bench.kernels_tf", "--sizes", "4K",
-                        "--repeat", "1", "--json", str(out)], timeout=120)
+    done = run_command([sys.executable, "-m", "hvd_compress.bench", "kernels", "--sizes", "4K",
+                        "--tf-sizes", "4K", "--repeat", "1", "--json", str(out)], timeout=120)
     assert done.returncode == 0, done.stdout[-3000:]
-    rows = json.loads(out.read_text())
+    rows = [r for r in json.loads(out.read_text()) if r["benchmark"] == "tensorflow"]
     assert {row["scheme"] for row in rows} == set(KERNEL_SCHEMES)
     for row in rows:
         assert row["torch_seconds"] > 0 and row["tf_seconds"] > 0

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
 from hvd_compress import Compression, bench
-from hvd_compress.bench import kernels, link, ps, wire_bytes
+from hvd_compress.bench import kernels, link, ps, selection, wire_bytes
 from hvd_compress.bench.report import publish
 
 T = TypeVar("T")
@@ -65,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="float32 element counts, comma-separated (default 4M,64M)")
     kern.add_argument("--repeat", type=_positive_int, default=5,
                       help="timings per scheme and size; the median is reported (default 5)")
+    kern.add_argument("--tf-sizes", type=_comma_list(kernels.parse_count), default=[4 << 20],
+                      help="sizes of the TensorFlow (DLPack) overhead table (default 4M)")
+    kern.add_argument("--no-tf", action="store_true",
+                      help="skip the TensorFlow table (TensorFlow is not imported)")
+    kern.add_argument("--selection-sizes", type=_comma_list(kernels.parse_count),
+                      help="sizes of the top-k selection table (default: --sizes)")
 
     server = commands.add_parser("ps", help="parameter-server aggregation throughput")
     server.add_argument("--json", type=Path, help="write the rows to this file")
@@ -93,6 +100,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _kernels(args: argparse.Namespace) -> None:
+    """Three tables: codec throughput against a copy, the TensorFlow path's overhead, and
+    DGC's threshold selection against torch.topk. The JSON holds every row, each with its
+    table's name under ``benchmark``."""
+    tables = [("codecs", kernels.title(args.repeat), kernels.COLUMNS, kernels.TARGETS,
+               lambda: kernels.run(args.sizes, args.repeat))]
+    if not args.no_tf:
+        from hvd_compress.bench import kernels_tf  # imports TensorFlow
+
+        tables.append(("tensorflow", kernels_tf.title(args.repeat), kernels_tf.COLUMNS,
+                       kernels_tf.TARGETS, lambda: kernels_tf.run(args.tf_sizes, args.repeat)))
+    tables.append(("selection", selection.title(args.repeat), selection.COLUMNS,
+                   selection.TARGETS,
+                   lambda: selection.run(args.selection_sizes or args.sizes, args.repeat)))
+    all_rows: list[dict] = []
+    for name, heading, columns, targets, run in tables:
+        rows = [{"benchmark": name, **row} for row in run()]
+        publish(heading, rows, columns, targets, None)
+        print()
+        all_rows += rows
+    if args.json is not None:
+        args.json.write_text(json.dumps(all_rows, indent=2) + "\n")
+        print(f"wrote {len(all_rows)} rows to {args.json}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "wire":
@@ -100,8 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         publish(wire_bytes.title(args.ranks), rows, wire_bytes.COLUMNS, wire_bytes.TARGETS,
                 args.json)
     elif args.command == "kernels":
-        rows = kernels.run(args.sizes, args.repeat)
-        publish(kernels.title(args.repeat), rows, kernels.COLUMNS, kernels.TARGETS, args.json)
+        _kernels(args)
     elif args.command == "link":
         link.rate_bits(args.rate)
         rows = link.run(args.layers, args.schemes, args.rate, args.steps)

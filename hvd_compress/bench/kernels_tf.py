@@ -13,25 +13,23 @@ after a warm-up, in one run:
 ``tf_over_torch`` is the TensorFlow time over the torch time (the goal is at most 1.1);
 the target line states it as its inverse, ``torch_over_tf >= 0.909``.
 
-Run: ``python -m hvd_compress.bench.kernels_tf [--sizes 64K,4M] [--repeat 5] [--json F]``.
+``python -m hvd_compress.bench kernels`` prints it as its second table (``--tf-sizes``).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import tensorflow as tf
 import torch
 
-from hvd_compress.bench.kernels import KERNEL_SCHEMES, Kernel, make_kernel, parse_count
-from hvd_compress.bench.report import Column, Row, Target, field, publish
+from hvd_compress.bench.kernels import KERNEL_SCHEMES, Kernel, make_kernel
+from hvd_compress.bench.report import Column, Row, Target, field
 from hvd_compress.tensorflow.comm import to_tf, to_torch
 
 MAX_OVERHEAD = 1.1
@@ -94,26 +92,3 @@ def run(sizes: Sequence[int], repeat: int) -> list[Row]:
                          "tf_over_torch": tf_s / torch_s, "torch_over_tf": torch_s / tf_s,
                          "repeat": repeat, "torch_threads": torch.get_num_threads()})
     return rows
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hvd_compress.bench.kernels_tf",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default="64K,4M",
-                        help="float32 element counts, comma-separated (default 64K,4M)")
-    parser.add_argument("--repeat", type=int, default=5,
-                        help="timings per scheme and size; the median is reported (default 5)")
-    parser.add_argument("--json", type=Path, help="write the rows to this file")
-    args = parser.parse_args(argv)
-    if args.repeat < 1:
-        parser.error("--repeat must be at least 1")
-    try:
-        sizes = [parse_count(item) for item in args.sizes.split(",")]
-    except ValueError as err:
-        parser.error(str(err))
-    publish(title(args.repeat), run(sizes, args.repeat), COLUMNS, TARGETS, args.json)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

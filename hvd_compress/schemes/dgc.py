@@ -83,7 +83,7 @@ class DGC(Scheme):
         v = u.clone() if v is None else v + u
 
         k = sparse_count(self.density(ctx.step), v.numel())
-        indices = self._select(v, k, ctx)
+        indices = self.select(v, k, ctx)
         request = SparseSum("sparse", v.numel(), indices, v[indices].to(self._dtype))
         total = yield request
         # What was not sent stays in v: nothing of the selected entries with fp32 values,
@@ -92,7 +92,9 @@ class DGC(Scheme):
         u = u.index_fill(0, indices, 0.0)
         return Outcome(total.view_as(x), None, nbytes(request), {MOMENTUM: u, VELOCITY: v})
 
-    def _select(self, v: torch.Tensor, k: int, ctx: ExchangeContext) -> torch.Tensor:
+    def select(self, v: torch.Tensor, k: int, ctx: ExchangeContext) -> torch.Tensor:
+        """Indices of at most ``k`` entries of large ``|v|`` by the sampled threshold (the
+        exact top-``k`` when the sample would be the whole tensor)."""
         n = v.numel()
         magnitude = v.abs()
         samples = min(n, max(1000, math.ceil(self.sample_ratio * n)))
