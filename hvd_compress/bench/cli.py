@@ -97,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     links.add_argument("--rate", default="100mbit", help="link rate for tc (default 100mbit)")
     links.add_argument("--steps", type=_positive_int, default=3,
                        help="timed steps per scheme (default 3)")
+    links.add_argument("--ranks", type=_positive_int, default=2,
+                       help="ranks, one per emulated host (default 2)")
+    links.add_argument("--allreduce", choices=["ring", "default"], default="ring",
+                       help="OpenMPI's ring all-reduce (default) or its default choice")
     return parser
 
 
@@ -135,8 +139,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         _kernels(args)
     elif args.command == "link":
         link.rate_bits(args.rate)
-        rows = link.run(args.layers, args.schemes, args.rate, args.steps)
-        publish(link.title(args.rate, args.steps), rows, link.COLUMNS, link.TARGETS, args.json)
+        ring = args.allreduce == "ring"
+        rows = link.run(args.layers, args.schemes, args.rate, args.steps, ring, args.ranks)
+        publish(link.title(args.ranks, args.rate, args.steps, ring), rows, link.COLUMNS,
+                link.TARGETS, args.json)
     else:
         if not 0 < args.density <= 1:
             raise SystemExit(f"--density must be in (0, 1], got {args.density}")

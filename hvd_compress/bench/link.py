@@ -1,10 +1,11 @@
-"""Step time on throttled links: 2 emulated hosts, real Horovod over MPI, real sockets.
+"""Step time on throttled links: emulated hosts (2 by default), real Horovod over MPI, real sockets.
 
 Each rank runs in its own network namespace, joined to the others by a veth pair on a
 bridge, with a token-bucket filter (``tc ... tbf rate RATE``) on both ends of every link,
 so each host sends and receives at most ``RATE``. ``mpirun`` starts the ranks inside the
 namespaces (its ``plm_rsh_agent`` is a script that maps a host address to
-``ip netns exec``), with OpenMPI's ring all-reduce (``coll_tuned_allreduce_algorithm 4``).
+``ip netns exec``), with OpenMPI's ring all-reduce (``coll_tuned_allreduce_algorithm 4``)
+unless asked for OpenMPI's default choice.
 Every rank reduces the same random gradients of a layer set through the
 :class:`~hvd_compress.Pipeline` of each scheme; the step time is the median over
 ``steps`` timed steps after one warm-up, each step started after a barrier.
@@ -29,7 +30,9 @@ from pathlib import Path
 
 from hvd_compress.bench.report import Column, Row, field
 
-RANKS = 2
+RING_ALLREDUCE = ("--mca", "coll_tuned_use_dynamic_rules", "1",
+                  "--mca", "coll_tuned_allreduce_algorithm", "4")
+"""OpenMPI's ring all-reduce, as the demo and the README launch with."""
 LINK_SCHEMES = ("none", "fp16", "onebit", "qsgd:bits=4", "powersgd:rank=4,start_iter=0",
                 "topk:ratio=0.001")
 
@@ -45,9 +48,10 @@ COLUMNS = (
 TARGETS = ()
 
 
-def title(rate: str, steps: int) -> str:
-    return (f"Step time of {RANKS} ranks on emulated hosts with {rate} links (mpirun, ring "
-            f"all-reduce; median of {steps} steps). 'fp32 ring time' is the time an ideal "
+def title(ranks: int, rate: str, steps: int, ring: bool) -> str:
+    algorithm = "ring all-reduce" if ring else "OpenMPI's default all-reduce choice"
+    return (f"Step time of {ranks} ranks on emulated hosts with {rate} links (mpirun, "
+            f"{algorithm}; median of {steps} steps). 'fp32 ring time' is the time an ideal "
             "ring needs for the uncompressed gradients at the link rate.")
 
 
@@ -120,27 +124,27 @@ exec ip netns exec "$ns" sh -c "$*"
     return script
 
 
-def run(layers: str, schemes: Sequence[str], rate: str, steps: int,
-        timeout: float = 1800) -> list[Row]:
-    """Launch the ranks on emulated hosts; returns one row per scheme."""
+def run(layers: str, schemes: Sequence[str], rate: str, steps: int, ring: bool = True,
+        ranks: int = 2, timeout: float = 1800) -> list[Row]:
+    """Launch the ranks on emulated hosts; returns one row per scheme. ``ring=False``
+    leaves the all-reduce algorithm to OpenMPI's default choice."""
     if os.geteuid() != 0:
         raise SystemExit("the link benchmark needs root (network namespaces and tc)")
     root = str(Path(__file__).resolve().parents[2])
     with tempfile.TemporaryDirectory(prefix="hvdc-link-") as tmp, \
-            emulated_hosts(RANKS, rate) as addresses:
+            emulated_hosts(ranks, rate) as addresses:
         subnet = addresses[0].rsplit(".", 1)[0] + ".0/24"
         out = Path(tmp) / "rows.json"
         env = dict(os.environ, OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="3")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]])
         cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
-               "-np", str(RANKS), "--host", ",".join(f"{a}:1" for a in addresses),
+               "-np", str(ranks), "--host", ",".join(f"{a}:1" for a in addresses),
                "--mca", "plm_rsh_agent", str(_agent_script(Path(tmp), addresses)),
                "--mca", "plm_rsh_no_tree_spawn", "1", "--mca", "routed", "direct",
                "--mca", "oob_tcp_if_include", subnet, "--mca", "btl", "self,tcp",
                "--mca", "btl_tcp_if_include", subnet,
-               "--mca", "coll_tuned_use_dynamic_rules", "1",
-               "--mca", "coll_tuned_allreduce_algorithm", "4",
+               *(RING_ALLREDUCE if ring else ()),
                "-x", "PATH", "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS",
                "-x", "TF_CPP_MIN_LOG_LEVEL",
                sys.executable, "-m", "hvd_compress.bench.link", "--out", str(out),
@@ -151,7 +155,10 @@ def run(layers: str, schemes: Sequence[str], rate: str, steps: int,
         if done.returncode != 0 or not out.exists():
             raise RuntimeError(f"link benchmark ranks failed ({done.returncode}):\n"
                                f"{done.stdout[-4000:]}\n{done.stderr[-4000:]}")
-        return json.loads(out.read_text())
+        rows = json.loads(out.read_text())
+        for row in rows:
+            row["allreduce"] = "ring" if ring else "openmpi-default"
+        return rows
 
 
 def rank_main(argv: Sequence[str] | None = None) -> None:
