@@ -6,6 +6,17 @@ Launch on 2 ranks (each rank trains on its half of the training set)::
     horovodrun -np 2 -H localhost:2 --gloo python examples/digits_keras.py --scheme onebit
     mpirun --allow-run-as-root -np 2 python examples/digits_keras.py --scheme qsgd:bits=4
 
+Sparse schemes (top-k, DGC) send their pairs to a parameter server, over gRPC::
+
+    python -m ps_server --workers 2 --bind 127.0.0.1:7070 &
+    horovodrun -np 2 -H localhost:2 --gloo python examples/digits_keras.py \
+        --scheme topk:ratio=0.01 --ps grpc://127.0.0.1:7070
+
+or as extra ranks of one MPMD launch, over MPI::
+
+    mpirun --allow-run-as-root -np 2 python examples/digits_keras.py --scheme topk:ratio=0.01 \
+        --ps mpi : -np 1 python -m ps_server --transport mpi --workers 2
+
 Rank 0 prints the test accuracy and the bytes its gradients took per step against
 float32; ``--compare`` first trains uncompressed with the same seed and epochs. The network,
 data split and hyper-parameters are those of ``examples/digits.py`` (the PyTorch version).
@@ -28,6 +39,7 @@ from sklearn.model_selection import train_test_split
 
 from hvd_compress import Compression, Policy
 from hvd_compress.schemes.dgc import DGC
+from hvd_compress.tensorflow import init
 from hvd_compress.tensorflow.keras import (
     BroadcastGlobalVariablesCallback,
     DistributedOptimizer,
@@ -59,8 +71,10 @@ def make_model() -> keras.Model:
 
 
 def train(scheme: str = "none", epochs: int = 20, batch_size: int = 32, lr: float = 0.25,
-          momentum: float = 0.5, seed: int = 0, min_numel: int = 1024) -> KerasResult:
+          momentum: float = 0.5, seed: int = 0, min_numel: int = 1024,
+          ps: str | None = None) -> KerasResult:
     """Train with ``model.fit`` on this rank's shard; every rank returns the same accuracy.
+    ``ps`` is the optimizer's ``ps=`` (parameter servers for the sparse schemes).
 
     Every rank takes the same number of steps per epoch (the shard is cut to whole batches
     of the smallest shard), as Horovod requires.
@@ -74,7 +88,7 @@ def train(scheme: str = "none", epochs: int = 20, batch_size: int = 32, lr: floa
     compression = Compression.parse(scheme)
     optimizer = DistributedOptimizer(
         keras.optimizers.SGD(lr, momentum=0.0 if isinstance(compression, DGC) else momentum),
-        compression=compression, policy=Policy(min_numel=min_numel), seed=seed)
+        compression=compression, policy=Policy(min_numel=min_numel), seed=seed, ps=ps)
     model = make_model()
     model.compile(optimizer=optimizer, jit_compile=False,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -99,12 +113,15 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compare", action="store_true",
                         help="train uncompressed first and print both results")
+    parser.add_argument("--ps", default=None,
+                        help="parameter servers for top-k/DGC: grpc://HOST:PORT[,HOST:PORT] "
+                             "or mpi (default: $HVD_COMPRESS_PS; none: Horovod allgather)")
     args = parser.parse_args()
 
-    hvd.init()
+    init(ps=args.ps)
     schemes = (["none"] if args.compare else []) + [args.scheme]
-    results = [train(s, args.epochs, lr=args.lr, momentum=args.momentum, seed=args.seed)
-               for s in schemes]
+    results = [train(s, args.epochs, lr=args.lr, momentum=args.momentum, seed=args.seed,
+                     ps=args.ps) for s in schemes]
     if hvd.rank() == 0:
         print(f"{'scheme':<28} {'test acc':>9} {'loss':>8} {'ratio':>7} {'time':>7}")
         for r in results:

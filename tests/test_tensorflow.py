@@ -1,10 +1,12 @@
 """The TensorFlow 2 / Keras 3 binding on 2 real ranks, under horovodrun (Gloo) and mpirun
-(MPI): the same aggregates as the torch binding, synchronised Keras training, tracing,
-checkpoints, convergence, and the Horovod 0.28.1 + Keras 3 failures it fixes."""
+(MPI), with parameter servers over gRPC and as MPMD server ranks: the same aggregates as the
+torch binding, synchronised Keras training, tracing, checkpoints, convergence, and the
+Horovod 0.28.1 + Keras 3 failures it fixes."""
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -14,6 +16,8 @@ import torch
 
 from hvd_compress.bench.kernels import KERNEL_SCHEMES
 from tests.harness import LAUNCHERS, run_command, run_ranks
+from tests.servers import ServerProcess
+from tests.test_multiprocess_ps import grpc_server  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -22,24 +26,56 @@ ALL_SPECS = ["none", "fp16", "bf16", "onebit", "qsgd", "terngrad",
              "dgc:ratio=0.01"]
 EXCHANGE_SPECS = ["none", "fp16", "bf16", "onebit:bucket_size=64", "qsgd:bucket_size=64",
                   "terngrad:bucket_size=64,error_feedback=True", "powersgd:rank=2,start_iter=0",
-                  "topk:ratio=0.01", "randomk:ratio=0.01", "dgc:ratio=0.01"]
+                  "topk:ratio=0.01", "topk:ratio=0.05,values=fp16", "randomk:ratio=0.01",
+                  "dgc:ratio=0.01"]
+# The schemes that send SparseSum requests (random-k's ranks share their indices: it
+# all-reduces the values).
+SPARSE_SPECS = ["topk:ratio=0.01", "topk:ratio=0.05,values=fp16", "dgc:ratio=0.01"]
 STATEFUL_SPECS = ["onebit", "qsgd", "powersgd:rank=2,start_iter=1", "dgc:ratio=0.01"]
 DIGITS_SPECS = ["none", "fp16", "onebit", "qsgd", "powersgd", "topk:ratio=0.01"]
 
 
+def registered_tensors(server: ServerProcess) -> set[str]:
+    """The tensors the server has seen (``<session>/<collective>``)."""
+    return set(re.findall(r"tensor '([^']+)' registered", server.log()))
+
+
 @pytest.mark.parametrize("launcher", LAUNCHERS)
-def test_aggregates_equal_the_torch_binding_bit_for_bit(launcher: str) -> None:
+def test_aggregates_equal_the_torch_binding_bit_for_bit(
+        launcher: str, request: pytest.FixtureRequest) -> None:
     """Every scheme here is deterministic given its seed (stochastic rounding and random-k
     draw from streams derived from the seed, tensor and step), so all must match exactly,
-    eagerly and inside tf.function, over two steps (error feedback and state carried)."""
-    ranks = run_ranks("tests.workers.tf_collectives:aggregates", launcher=launcher,
-                      specs=EXCHANGE_SPECS, steps=2)
+    eagerly and inside tf.function, over two steps (error feedback and state carried).
+
+    The sparse schemes also go through a parameter server, in both bindings: over gRPC
+    (a server process) under Gloo, and to a server rank of the same MPMD ``mpirun``
+    (``HVD_COMPRESS_PS=mpi``, Horovod TF started by ``hvd_compress.tensorflow.init``) under
+    MPI. Server and allgather sums are the same bits."""
+    if launcher == "gloo":
+        server = request.getfixturevalue("grpc_server")
+        ranks = run_ranks("tests.workers.tf_collectives:aggregates", launcher=launcher,
+                          specs=EXCHANGE_SPECS, steps=2, ps_specs=SPARSE_SPECS,
+                          ps=f"grpc://{server.address}")
+        # Both bindings' sums reached the server: per sparse scheme, one session each for
+        # torch, TF eager and TF traced, each with the worker's 4 tensors.
+        tensors = registered_tensors(server)
+        sessions = {t.split("/")[0] for t in tensors}
+        assert len(sessions) == len(SPARSE_SPECS) * 3, sorted(tensors)
+        assert len(tensors) == len(sessions) * 4, sorted(tensors)
+    else:
+        ranks = run_ranks("tests.workers.tf_collectives:aggregates", launcher=launcher,
+                          mpi_servers=1, specs=EXCHANGE_SPECS, steps=2, ps_specs=SPARSE_SPECS)
     for result in ranks:
         assert result["zero_copy"] == {"torch_to_tf": True, "tf_to_torch": True}
+        assert result["communicators"] == {"HorovodTFCommunicator",
+                                           "ParameterServerCommunicator (ps)"}
     for spec in EXCHANGE_SPECS:
+        paths = ["eager", "function"]
+        if spec in SPARSE_SPECS:
+            paths += ["torch_ps", "eager_ps", "function_ps"]
         for rank, result in enumerate(ranks):
             for step, expected in enumerate(result[spec]["torch"]):
-                for path in ("eager", "function"):
+                for path in paths:
                     got = result[spec][path][step]
                     assert got.keys() == expected.keys()
                     for name, tensor in expected.items():
@@ -107,13 +143,16 @@ def test_traced_step_equals_eager_and_checkpoints_resume_exactly() -> None:
         assert "jit_compile=False" in result["xla"]
 
 
-def test_keras_digits_converge_like_uncompressed() -> None:
-    """Same seed, same epochs: each scheme within 1.0 point of float32 test accuracy. Top-k
-    goes through Horovod allgather (no parameter server in this launch)."""
+def test_keras_digits_converge_like_uncompressed(request: pytest.FixtureRequest) -> None:
+    """Same seed, same epochs: each scheme within 1.0 point of float32 test accuracy, top-k
+    through a parameter server (gRPC, its own process)."""
+    server = request.getfixturevalue("grpc_server")
     ranks = run_ranks("tests.workers.tf_keras:digits", timeout=600, specs=DIGITS_SPECS,
-                      epochs=20)
+                      epochs=20, ps=f"grpc://{server.address}")
     accuracy = ranks[0]
     assert accuracy == ranks[1]
+    # Top-k's three compressed kernels (64x128, 128x128, 128x10) were summed on the server.
+    assert len(registered_tensors(server)) == 3, registered_tensors(server)
     baseline = accuracy["none"]
     assert baseline > 94, accuracy
     for spec, acc in accuracy.items():

@@ -3,7 +3,10 @@ with any scheme, and (in :mod:`hvd_compress.tensorflow.keras`) a Keras 3 optimiz
 
 The schemes are the torch ones: gradients cross to torch and payloads come back to
 Horovod's TensorFlow collectives through DLPack, without copies
-(:mod:`hvd_compress.tensorflow.comm`). Call ``horovod.tensorflow.init()`` first.
+(:mod:`hvd_compress.tensorflow.comm`). Sparse schemes can sum their pairs on parameter
+servers (``ps=``, :mod:`hvd_compress.tensorflow.servers`). Call
+``horovod.tensorflow.init()`` first, or :func:`init`, which also joins parameter-server
+ranks of an MPMD ``mpirun`` (``ps="mpi"``).
 """
 
 from hvd_compress.tensorflow.broadcast import broadcast_variables
@@ -14,8 +17,9 @@ from hvd_compress.tensorflow.exchange import (
     XLACompileError,
     compression_state,
 )
+from hvd_compress.tensorflow.servers import init
 from hvd_compress.tensorflow.tape import DistributedGradientTape
 
 __all__ = ["CompressionState", "DistributedGradientTape", "GradientExchange",
            "HorovodTFCommunicator", "XLACompileError", "broadcast_variables",
-           "compression_state"]
+           "compression_state", "init"]

@@ -22,12 +22,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import horovod.tensorflow as hvd
+import numpy as np
 import tensorflow as tf
 import torch
 from torch.utils import dlpack as torch_dlpack
 
 from hvd_compress.comm.base import split_gathered
-from hvd_compress.comm.ops import AllGather, AllReduce, AllToAll, Collective, SparseSum, sum_pairs
+from hvd_compress.comm.ops import AllGather, AllReduce, AllToAll, Collective, SparseSum
+from hvd_compress.comm.sparse_frames import encode_sparse_frame, sum_frames
 
 _ALIGNMENT = 64
 """TensorFlow's kernels assume buffers aligned to 64 bytes (Eigen's aligned maps)."""
@@ -134,9 +136,13 @@ class HorovodTFCommunicator:
     """The pipeline's collectives over ``horovod.tensorflow`` (Gloo or MPI).
 
     ``start`` queues a request (see the module docstring); ``wait`` runs all queued requests
-    in one graph call if its own has not run yet, and returns torch tensors. Sparse sums go
-    as an ``allgather`` of (index, float32 bits) pairs; a parameter-server communicator can
-    wrap this one and take over :class:`~hvd_compress.comm.ops.SparseSum` requests.
+    in one graph call if its own has not run yet, and returns torch tensors. A
+    :class:`~hvd_compress.comm.ops.SparseSum` goes as an ``allgather`` of each rank's pairs
+    as one parameter-server push frame (:mod:`hvd_compress.sparse_wire`, values in their
+    wire dtype, fp16 or fp32), byte for byte what the PyTorch binding's communicator
+    gathers; every rank sums the gathered frames. A
+    :class:`~hvd_compress.comm.parameter_server.ParameterServerCommunicator` can wrap this
+    one and send the sparse sums to parameter servers instead (the ``ps=`` option).
     """
 
     def __init__(self, process_set: Any = None) -> None:
@@ -152,12 +158,12 @@ class HorovodTFCommunicator:
         elif isinstance(op, AllGather):
             request = Request(ALLGATHER, tf_name, (to_tf(op.tensor.reshape(-1)),), op)
         elif isinstance(op, SparseSum):
-            # One (index, float32 bits) row per pair: rows from all ranks concatenate along
-            # dim 0 whatever each rank's count, and all that is needed is their sum.
-            pairs = torch.stack([op.indices.reshape(-1).to(torch.int32),
-                                 op.values.reshape(-1).to(torch.float32).view(torch.int32)],
-                                dim=1)
-            request = Request(ALLGATHER, tf_name, (to_tf(pairs),), op)
+            # Each rank's pairs as one frame (the parameter server's format, named after the
+            # collective as the PyTorch binding names it): frames are self-delimiting, so
+            # the gathered bytes split back into one frame per rank.
+            frame = encode_sparse_frame(name, self.rank, op)
+            request = Request(ALLGATHER, tf_name, (tf.constant(np.frombuffer(frame, np.uint8)),),
+                              op)
         elif isinstance(op, AllToAll):
             splits = tf.constant(op.splits, dtype=tf.int32)
             request = Request(ALLTOALL, tf_name, (to_tf(op.tensor.reshape(-1)), splits), op)
@@ -176,12 +182,12 @@ class HorovodTFCommunicator:
             self.flush()
         assert request.outputs is not None
         op = request.op
+        if isinstance(op, SparseSum):
+            return sum_frames(op, request.outputs[0].numpy())
         result = to_torch(request.outputs[0])
         if isinstance(op, AllReduce):
             return result
         if isinstance(op, AllGather):
             return split_gathered(result, op.sizes)
-        if isinstance(op, SparseSum):
-            return sum_pairs(op.numel, result[:, 0], result[:, 1].contiguous().view(torch.float32))
         received = request.outputs[1].numpy().tolist()
         return list(torch.split(result, received))

@@ -27,6 +27,7 @@ from hvd_compress.policy import Policy
 from hvd_compress.schemes.base import Scheme
 from hvd_compress.schemes.dense import NoCompression
 from hvd_compress.tensorflow.comm import HorovodTFCommunicator, to_tf, to_torch
+from hvd_compress.tensorflow.servers import resolve, with_servers
 
 STATE_KEY = "hvd_compress"
 
@@ -82,21 +83,27 @@ class GradientExchange:
     Args mirror Horovod's: ``op`` (``hvd.Average`` or ``hvd.Sum``),
     ``gradient_predivide_factor``, ``process_set``; ``policy`` and ``seed`` as in
     :class:`~hvd_compress.pipeline.Pipeline`. ``sparse_as_dense`` turns ``tf.IndexedSlices``
-    gradients (embeddings) into dense tensors; without it they are refused.
+    gradients (embeddings) into dense tensors; without it they are refused. ``ps``: the
+    parameter servers that sum the sparse schemes' pairs (see
+    :func:`~hvd_compress.tensorflow.DistributedGradientTape`); ``None`` reads
+    ``$HVD_COMPRESS_PS``, ``""`` means none. With servers, creating the exchange broadcasts
+    a random session id from rank 0 of the process set (a collective: every rank creates
+    its exchange).
     """
 
     def __init__(self, compression: Scheme, op: Any = hvd.Average,
                  gradient_predivide_factor: float = 1.0, process_set: Any = None,
                  policy: Policy | None = None, seed: int = 0,
-                 sparse_as_dense: bool = False) -> None:
+                 sparse_as_dense: bool = False, ps: str | None = None) -> None:
         self.process_set = process_set if process_set is not None else hvd.global_process_set
         self.options = self.normalize(
             {"op": op, "gradient_predivide_factor": gradient_predivide_factor,
              "process_set": self.process_set, "policy": policy, "seed": seed,
-             "sparse_as_dense": sparse_as_dense})
+             "sparse_as_dense": sparse_as_dense, "ps": ps})
+        self.ps = self.options["ps"]
         self.sparse_as_dense = sparse_as_dense
-        self.pipeline = Pipeline(compression, HorovodTFCommunicator(self.process_set), policy,
-                                 average=(op == hvd.Average),
+        comm = with_servers(HorovodTFCommunicator(self.process_set), self.ps, self.process_set)
+        self.pipeline = Pipeline(compression, comm, policy, average=(op == hvd.Average),
                                  prescale=gradient_predivide_factor, seed=seed)
 
     @staticmethod
@@ -104,7 +111,8 @@ class GradientExchange:
         """Options as compared between two uses of one compression object."""
         process_set = options.get("process_set")
         process_set = process_set if process_set is not None else hvd.global_process_set
-        return {**options, "process_set": process_set.process_set_id}
+        return {**options, "process_set": process_set.process_set_id,
+                "ps": resolve(options.get("ps"))}
 
     def reduce(self, names: Sequence[str], grads: Sequence[Any]) -> list[Any]:
         """Aggregate ``grads`` (``None`` entries pass through); eager or traced."""

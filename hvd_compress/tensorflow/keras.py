@@ -106,6 +106,7 @@ def DistributedOptimizer(
     *,
     policy: Policy | None = None,
     seed: int = 0,
+    ps: str | None = None,
 ) -> keras.optimizers.Optimizer:
     """A Keras 3 optimizer that exchanges gradients with ``compression`` before every update.
 
@@ -124,8 +125,15 @@ def DistributedOptimizer(
     model with ``jit_compile=False`` (Keras' default on CPU; with ``"auto"`` on a GPU the
     first ``fit`` raises :class:`~hvd_compress.tensorflow.XLACompileError`).
 
-    Additional keyword arguments: ``policy`` (which tensors are compressed) and ``seed``
-    (base of the schemes' random streams; the same on every rank).
+    Additional keyword arguments:
+        policy: which tensors are compressed (:class:`hvd_compress.Policy`).
+        seed: base of the schemes' random streams; the same on every rank.
+        ps: parameter servers that sum the sparse schemes' pairs (top-k, DGC), as for
+            :func:`hvd_compress.tensorflow.DistributedGradientTape`: ``"grpc://h:p,..."``,
+            ``"grpcs://..."`` or ``"mpi"`` (start Horovod with
+            :func:`hvd_compress.tensorflow.init`); default ``$HVD_COMPRESS_PS``, ``""`` for
+            Horovod ``allgather``. With servers, this call broadcasts a random session id
+            from rank 0, so every rank must make the optimizer.
     """
     del device_dense, device_sparse  # the exchange runs on the gradients' own device
     compression = validate(compression, op, gradient_predivide_factor, groups, num_groups)
@@ -136,7 +144,7 @@ def DistributedOptimizer(
     exchange = GradientExchange(compression, op=op,
                                 gradient_predivide_factor=gradient_predivide_factor,
                                 process_set=process_set, policy=policy, seed=seed,
-                                sparse_as_dense=sparse_as_dense)
+                                sparse_as_dense=sparse_as_dense, ps=ps)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__))
     config = optimizer.get_config()

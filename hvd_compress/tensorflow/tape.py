@@ -74,6 +74,7 @@ def DistributedGradientTape(
     *,
     policy: Policy | None = None,
     seed: int = 0,
+    ps: str | None = None,
 ) -> tf.GradientTape:
     """Wrap ``gradtape`` so that ``gradient()`` returns gradients averaged over all ranks and
     exchanged with ``compression``.
@@ -93,15 +94,28 @@ def DistributedGradientTape(
     state is keyed by position in that list), and checkpoint it with
     ``compression_state(compression)``.
 
-    Additional keyword arguments: ``policy`` (which tensors are compressed, see
-    :class:`hvd_compress.Policy`) and ``seed`` (base of the schemes' random streams; the same
-    on every rank). ``groups``/``num_groups`` and ``op=hvd.Adasum`` raise ``ValueError``.
+    Additional keyword arguments:
+        policy: which tensors are compressed (:class:`hvd_compress.Policy`).
+        seed: base of the schemes' random streams; the same on every rank.
+        ps: parameter servers (``python -m ps_server``) that sum the sparse schemes' pairs
+            (top-k, DGC), as in :func:`hvd_compress.torch.DistributedOptimizer`:
+            ``"grpc://host:7070,host:7071"`` (one address per shard, ``grpcs://`` for TLS
+            with the CA file in ``$HVD_COMPRESS_PS_CA``), or ``"mpi"`` for servers in the
+            same MPMD ``mpirun`` (start Horovod with :func:`hvd_compress.tensorflow.init`).
+            Defaults to ``$HVD_COMPRESS_PS``; with neither (or ``ps=""``), sparse pairs are
+            summed by Horovod ``allgather`` (same frames, same sums). Every other collective
+            goes through Horovod either way. The token is read from
+            ``$HVD_COMPRESS_PS_TOKEN``. The session id on the servers is broadcast from rank
+            0 when the ``compression`` object is first used (also when that happens while a
+            ``tf.function`` is traced), so one compression object serves one ``ps``.
+
+    ``groups``/``num_groups`` and ``op=hvd.Adasum`` raise ``ValueError``.
     """
     del device_dense, device_sparse  # the exchange runs on the gradients' own device
     compression = validate(compression, op, gradient_predivide_factor, groups, num_groups)
     exchange = compression_state(compression).exchange_for(
         op=op, gradient_predivide_factor=gradient_predivide_factor, process_set=process_set,
-        policy=policy, seed=seed, sparse_as_dense=sparse_as_dense)
+        policy=policy, seed=seed, sparse_as_dense=sparse_as_dense, ps=ps)
     cls = type(gradtape.__class__.__name__, (gradtape.__class__,),
                dict(_DistributedGradientTape.__dict__))
     return cls(gradtape._tape, exchange, gradtape._persistent,

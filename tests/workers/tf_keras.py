@@ -256,9 +256,10 @@ def trace_and_resume(specs: list[str], batches: int = 3) -> dict[str, Any]:
     return out
 
 
-def digits(specs: list[str], epochs: int) -> dict[str, float]:
-    """Keras test accuracy on scikit-learn's digits after ``epochs`` epochs, per scheme."""
+def digits(specs: list[str], epochs: int, ps: str | None = None) -> dict[str, float]:
+    """Keras test accuracy on scikit-learn's digits after ``epochs`` epochs, per scheme;
+    ``ps``: the optimizer's parameter servers."""
     from examples.digits_keras import train
 
     with horovod_tf():
-        return {spec: train(spec, epochs=epochs).test_accuracy for spec in specs}
+        return {spec: train(spec, epochs=epochs, ps=ps).test_accuracy for spec in specs}

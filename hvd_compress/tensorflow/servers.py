@@ -1,0 +1,82 @@
+"""Parameter servers for the TensorFlow binding: ``ps=``, its ``$HVD_COMPRESS_PS`` default,
+and :func:`init` for MPMD launches with server ranks.
+
+The servers (``python -m ps_server``) and their clients are the PyTorch binding's
+(:mod:`hvd_compress.comm.parameter_server`): a sparse scheme's pairs travel in the same
+frames, and every other collective still goes through Horovod's TensorFlow ops.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import horovod.tensorflow as hvd
+import numpy as np
+import tensorflow as tf
+
+from hvd_compress.comm.base import Communicator
+from hvd_compress.comm.parameter_server import (
+    PS_ENV,
+    ParameterServerCommunicator,
+    connect,
+    init_mpi_workers,
+)
+from hvd_compress.tensorflow.comm import BROADCAST, Request, run_requests
+
+SESSION_BYTES = 4
+
+
+def resolve(ps: str | None) -> str:
+    """The server spec to use: ``ps``, or ``$HVD_COMPRESS_PS`` when it is ``None``; ``""``
+    for none (``ps=""`` turns the environment's servers off)."""
+    if ps is None:
+        ps = os.environ.get(PS_ENV, "")
+    return ps.strip()
+
+
+def broadcast_session(process_set: Any, root_rank: int = 0) -> str:
+    """A random session id drawn on ``root_rank`` and broadcast to the process set.
+
+    Runs eagerly even while a ``tf.function`` is being traced (a tape made inside the
+    training step creates its exchange then): the id is needed when the step is built.
+    """
+    with tf.init_scope():
+        local = tf.constant(np.frombuffer(os.urandom(SESSION_BYTES), np.uint8))
+        request = Request(BROADCAST, "hvdc.ps_session", (local,), root_rank=root_rank)
+        run_requests([request], process_set)
+        assert request.outputs is not None
+        return bytes(request.outputs[0].numpy()).hex()
+
+
+def with_servers(dense: Communicator, ps: str, process_set: Any) -> Communicator:
+    """``dense``, or, when ``ps`` names servers, a communicator sending the sparse sums to
+    them under a session id broadcast from rank 0 (every other collective through
+    ``dense``)."""
+    if not ps:
+        return dense
+    session = broadcast_session(process_set)
+    try:
+        client = connect(ps, dense.rank)
+    except RuntimeError as exc:  # its advice names the PyTorch binding's init
+        raise RuntimeError(f"{exc} (with TensorFlow: hvd_compress.tensorflow.init(ps='mpi') "
+                           "instead of horovod.tensorflow.init())") from exc
+    return ParameterServerCommunicator(dense, client, session)
+
+
+def init(ps: str | None = None, **kwargs: Any) -> None:
+    """``horovod.tensorflow.init()``, or, for ``ps="mpi"`` (default ``$HVD_COMPRESS_PS``),
+    split the parameter-server ranks of an MPMD ``mpirun`` off ``MPI.COMM_WORLD`` and start
+    Horovod on the workers' communicator::
+
+        mpirun -np 2 python train.py : -np 1 python -m ps_server --transport mpi --workers 2
+
+    ``kwargs`` go to ``hvd.init``. In a process that also runs Horovod's PyTorch library,
+    both may call their ``init`` (the MPI split happens once; both get the same workers'
+    communicator)."""
+    if resolve(ps).lower() == "mpi":
+        if "comm" in kwargs:
+            raise ValueError("init(ps='mpi') makes the workers' communicator itself; do not "
+                             "pass comm=")
+        kwargs["comm"] = init_mpi_workers()
+    hvd.init(**kwargs)
