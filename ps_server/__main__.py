@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                  world.Get_rank(), desc)
         mpi_transport.serve(service, world, workers)
         service.save_checkpoint()
-        log.info("all workers done; exiting")
+        log.info("all workers done; exiting: %s", service.summary())
         return 0
     return _serve_grpc(args, service, host, port, desc)
 
@@ -177,7 +177,7 @@ def _serve_grpc(args: argparse.Namespace, service: ShardService, host: str, port
     stop.wait()
     server.stop(grace=1.0).wait()
     service.save_checkpoint()
-    log.info("stopped")
+    log.info("stopped: %s", service.summary())
     return 0
 
 

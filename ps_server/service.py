@@ -103,6 +103,14 @@ class ShardService:
         if due:
             self.save_checkpoint()
 
+    def summary(self) -> str:
+        """One line of totals for the log: rounds, pushes and bytes each way."""
+        m = self.metrics
+        return (f"{self.store.closed_rounds} rounds closed, {self.store.failed_rounds} failed; "
+                f"{m.value('hvd_ps_requests_total', method='push', outcome='accepted'):.0f} "
+                f"pushes accepted; {m.value('hvd_ps_received_bytes_total'):,.0f} bytes in, "
+                f"{m.value('hvd_ps_sent_bytes_total'):,.0f} bytes out")
+
     def save_checkpoint(self) -> None:
         if self.checkpoint is None:
             return

@@ -48,8 +48,9 @@ grpc)
     echo "parameter server: pid $SERVER at grpc://$ADDRESS (log: $LOG)"
     horovodrun -np "$WORKERS" -H "localhost:$WORKERS" --gloo \
         python examples/digits.py --scheme "$SCHEME" --compare --ps "grpc://$ADDRESS" "$@"
-    echo "parameter server log (last lines):"
-    tail -n 3 "$LOG"
+    kill "$SERVER"
+    wait "$SERVER" || true
+    echo "parameter server: $(tail -n 1 "$LOG")"
     ;;
 *)
     echo "PS_TRANSPORT must be grpc or mpi, got ${PS_TRANSPORT}" >&2
