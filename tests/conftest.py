@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from hvd_compress import native
+from tests.servers import ServerProcess
 
 
 @pytest.fixture(params=["native", "numpy"])
@@ -19,3 +20,13 @@ def sparse_path(request: pytest.FixtureRequest) -> Iterator[str]:
         with native.disabled():
             assert not native.available()
             yield request.param
+
+
+@pytest.fixture
+def grpc_server() -> Iterator[ServerProcess]:
+    """One shard for two workers on a free loopback port."""
+    server = ServerProcess(["--bind", "127.0.0.1:0", "--workers", "2", "--deadline", "60"])
+    try:
+        yield server
+    finally:
+        server.kill()

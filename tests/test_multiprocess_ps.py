@@ -3,13 +3,10 @@ over gRPC (its own process), and by server ranks of one MPMD ``mpirun`` over MPI
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
 from tests.harness import run_ranks
-from tests.servers import ServerProcess
 from tests.test_multiprocess import check_aggregates, check_training
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
@@ -21,16 +18,6 @@ TRAIN_SPECS = ["topk:ratio=0.05", "dgc:ratio=0.01,momentum=0.9", "randomk:ratio=
 # Each run's sums travel one way: (launcher, parameter server).
 ROUTES = [("gloo", None), ("mpi", None), ("gloo", "grpc"), ("mpi", "mpi")]
 DIGITS_SPECS = ["none", "topk:ratio=0.01", "dgc:ratio=0.001,momentum=0.5,warmup_steps=100"]
-
-
-@pytest.fixture
-def grpc_server() -> Iterator[ServerProcess]:
-    """One shard for two workers on a free loopback port."""
-    server = ServerProcess(["--bind", "127.0.0.1:0", "--workers", "2", "--deadline", "60"])
-    try:
-        yield server
-    finally:
-        server.kill()
 
 
 def run_sparse(target: str, launcher: str, ps: str | None, request: pytest.FixtureRequest,

@@ -17,7 +17,6 @@ import torch
 from hvd_compress.bench.kernels import KERNEL_SCHEMES
 from tests.harness import LAUNCHERS, run_command, run_ranks
 from tests.servers import ServerProcess
-from tests.test_multiprocess_ps import grpc_server  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.multiprocess
 
