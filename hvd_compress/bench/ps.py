@@ -4,6 +4,8 @@ Two measurements per (shards, workers) pair, both on one sparse tensor of ``nume
 elements where each simulated worker pushes ``density * numel`` random pairs (fp32 values,
 delta+varint indices) per round, for ``rounds`` rounds:
 
+Each measurement runs one untimed warm-up round first (it allocates the accumulators).
+
 * ``grpc``: real server processes (``python -m ps_server``, one per shard, on loopback)
   and one client thread per worker sending pre-encoded frames over gRPC: push, then pull
   the aggregate (not decoded: the client's cost is kept out of the figure). Throughput is
@@ -101,14 +103,19 @@ def _row(transport: str, shards: int, workers: int, pairs_per_round: int, rounds
 
 def measure_in_process(workers: int, numel: int, density: float, rounds: int) -> Row:
     """One shard's request handling, called directly (see the module docstring)."""
-    pushes, pulls = make_frames(workers, 1, numel, density, rounds)
+    pushes, pulls = make_frames(workers, 1, numel, density, 1 + rounds)
     service = ShardService(ShardStore(workers, 0, 1))
-    start = time.perf_counter()
-    for r in range(rounds):
+
+    def run_round(r: int) -> None:
         for w in range(workers):
             service.push(pushes[w][r][0], "bench")
         for w in range(workers):
             service.pull(pulls[w][r][0], "bench", timeout=60.0)
+
+    run_round(0)  # warm-up: allocates and first touches the accumulator
+    start = time.perf_counter()
+    for r in range(1, 1 + rounds):
+        run_round(r)
     seconds = time.perf_counter() - start
     k = max(1, int(density * numel))
     return _row("in-process", 1, workers, workers * k, rounds, seconds, None)
@@ -174,7 +181,7 @@ def measure_grpc(shards: int, workers: int, numel: int, density: float, rounds: 
     """Server processes over gRPC (see the module docstring)."""
     import grpc
 
-    pushes, pulls = make_frames(workers, shards, numel, density, rounds)
+    pushes, pulls = make_frames(workers, shards, numel, density, 1 + rounds)
     servers = _Servers(shards, workers)
     options = [("grpc.max_send_message_length", 512 << 20),
                ("grpc.max_receive_message_length", 512 << 20)]
@@ -186,8 +193,9 @@ def measure_grpc(shards: int, workers: int, numel: int, density: float, rounds: 
         push = [c.unary_unary(f"/{GRPC_SERVICE}/Push") for c in channels[w]]
         pull = [c.unary_unary(f"/{GRPC_SERVICE}/Pull") for c in channels[w]]
         try:
-            barrier.wait()
-            for r in range(rounds):
+            for r in range(1 + rounds):  # round 0 warms up, before the barrier
+                if r == 1:
+                    barrier.wait()
                 for s in range(shards):
                     push[s](pushes[w][r][s], timeout=600)
                 for s in range(shards):
@@ -204,8 +212,8 @@ def measure_grpc(shards: int, workers: int, numel: int, density: float, rounds: 
         threads = [threading.Thread(target=worker, args=(w, barrier)) for w in range(workers)]
         for t in threads:
             t.start()
+        barrier.wait()  # every worker has finished the warm-up round
         cpu_before = servers.cpu_seconds()
-        barrier.wait()
         start = time.perf_counter()
         for t in threads:
             t.join()
