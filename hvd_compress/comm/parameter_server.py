@@ -47,13 +47,15 @@ def connect(spec: str, worker: int) -> PSClient | MPIPSClient:
     if spec.strip().lower() == "mpi":
         if _mpi_client is None:
             raise RuntimeError("ps='mpi' needs the MPI connection to the servers first: call "
-                               "hvd_compress.torch.init(ps='mpi') instead of hvd.init() (it "
-                               "splits the servers off MPI.COMM_WORLD and starts Horovod on "
-                               "the workers)")
+                               "hvd_compress.torch.init(ps='mpi') (or, with TensorFlow, "
+                               "hvd_compress.tensorflow.init(ps='mpi')) instead of "
+                               "hvd.init(); it splits the servers off MPI.COMM_WORLD and "
+                               "starts Horovod on the workers")
         if _mpi_client.worker != worker:
             raise RuntimeError(f"Horovod rank {worker} differs from this process's worker id "
                                f"{_mpi_client.worker} among the MPI workers; start Horovod "
-                               "with hvd_compress.torch.init(ps='mpi')")
+                               "with hvd_compress.torch.init(ps='mpi') or "
+                               "hvd_compress.tensorflow.init(ps='mpi')")
         return _mpi_client
     ca = os.environ.get(CA_ENV)
     return PSClient(spec, worker, root_certificates=Path(ca).read_bytes() if ca else None)

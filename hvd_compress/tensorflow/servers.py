@@ -56,12 +56,7 @@ def with_servers(dense: Communicator, ps: str, process_set: Any) -> Communicator
     if not ps:
         return dense
     session = broadcast_session(process_set)
-    try:
-        client = connect(ps, dense.rank)
-    except RuntimeError as exc:  # its advice names the PyTorch binding's init
-        raise RuntimeError(f"{exc} (with TensorFlow: hvd_compress.tensorflow.init(ps='mpi') "
-                           "instead of horovod.tensorflow.init())") from exc
-    return ParameterServerCommunicator(dense, client, session)
+    return ParameterServerCommunicator(dense, connect(ps, dense.rank), session)
 
 
 def init(ps: str | None = None, **kwargs: Any) -> None:
