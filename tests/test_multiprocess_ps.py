@@ -3,10 +3,16 @@ over gRPC (its own process), and by server ranks of one MPMD ``mpirun`` over MPI
 
 from __future__ import annotations
 
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
 import pytest
 import torch
 
 from tests.harness import run_ranks
+from tests.servers import ServerProcess
 from tests.test_multiprocess import check_aggregates, check_training
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
@@ -68,3 +74,37 @@ def test_topk_sums_agree_between_the_server_and_allgather(
                                specs=specs)
     for name, row in via_server[0].items():
         assert torch.equal(row["aggregate"], via_allgather[0][name]["aggregate"]), name
+
+
+def test_training_goes_on_through_a_server_kill_9_and_restart(tmp_path: Path) -> None:
+    """The server dies (SIGKILL) mid-training and restarts from its checkpoint; the
+    workers retry and end bit-identical to a run that never lost the server."""
+    args = ["--workers", "2", "--deadline", "60", "--checkpoint-dir", str(tmp_path / "ckpt")]
+    server = ServerProcess(["--bind", "127.0.0.1:0", *args])
+    marker = tmp_path / "marker"
+    kwargs = {"launcher": "gloo", "timeout": 600, "ps": f"grpc://{server.address}",
+              "steps": 30, "pause_at": 8}
+    restarted = None
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            job = pool.submit(run_ranks, "tests.workers.dense:through_restart",
+                              marker=str(marker), **kwargs)
+            give_up = time.monotonic() + 300
+            while not marker.exists() and not job.done() and time.monotonic() < give_up:
+                time.sleep(0.05)
+            assert marker.exists(), "the workers never reached the step before the kill"
+            server.kill()
+            restarted = ServerProcess(["--bind", server.address, *args])
+            interrupted = job.result()
+        # The restart came mid-training: the checkpoint held rounds short of the last one.
+        resumed = restarted.wait_for(r"resumed from .*open rounds \{(.*)\}").group(1)
+        rounds = [int(r) for r in re.findall(r": (\d+)", resumed)]
+        assert rounds and all(0 < r < 30 for r in rounds), resumed
+        uninterrupted = run_ranks("tests.workers.dense:through_restart",
+                                  marker=str(tmp_path / "unused"), **kwargs)
+    finally:
+        server.kill()
+        if restarted is not None:
+            restarted.kill()
+    assert torch.equal(interrupted[0], interrupted[1])
+    assert torch.equal(interrupted[0], uninterrupted[0])

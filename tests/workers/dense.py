@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import time
+from pathlib import Path
 from typing import Any
 
 import horovod.torch as hvd
@@ -174,6 +176,20 @@ def digits(specs: list[str], epochs: int, ps: str | None = None) -> dict[str, fl
 
     torch.set_num_threads(1)
     return {spec: train(spec, epochs=epochs, ps=ps).test_accuracy for spec in specs}
+
+
+def through_restart(ps: str, marker: str, steps: int, pause_at: int) -> torch.Tensor:
+    """Top-k training through the server; at step ``pause_at`` rank 0 creates ``marker``
+    (the test then kills the server and restarts it) and the steps slow down so that some
+    of them meet the outage. Returns the final parameters."""
+    model, optimizer = _setup("topk:ratio=0.05", ps=ps)
+    for step, (x, y) in enumerate(_batches(steps)):
+        if step == pause_at and hvd.rank() == 0:
+            Path(marker).write_text("killing the server now")
+        if step >= pause_at:
+            time.sleep(0.2)
+        _train(model, optimizer, [(x, y)])
+    return _flat(model)
 
 
 def sparse(aggregate_specs: list[str], train_specs: list[str],
