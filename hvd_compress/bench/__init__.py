@@ -1,7 +1,10 @@
-"""Benchmarks: ``python -m hvd_compress.bench wire`` measures the bytes each scheme puts on
-the wire per step; ``python -m hvd_compress.bench kernels`` times encoding and decoding
-against a memory copy. Both print a table, report PASS/FAIL against their targets (never
-failing the process) and can write their rows as JSON (``--json FILE``).
+"""Benchmarks, ``python -m hvd_compress.bench COMMAND``: ``wire`` measures the bytes each
+scheme puts on the wire per step; ``kernels`` times encoding and decoding against a memory
+copy, the TensorFlow (DLPack) path against the torch path, and DGC's threshold selection
+against ``torch.topk``; ``ps`` measures the parameter server's pairs per second; ``link``
+times steps on emulated hosts with throttled links (root). Each prints a table, reports
+PASS/FAIL against its targets (never failing the process) and can write its rows as JSON
+(``--json FILE``).
 """
 
 from __future__ import annotations
