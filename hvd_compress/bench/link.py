@@ -28,7 +28,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from hvd_compress.bench.report import Column, Row, field
+from hvd_compress.bench.report import Column, Row, field, optional_field
 
 RING_ALLREDUCE = ("--mca", "coll_tuned_use_dynamic_rules", "1",
                   "--mca", "coll_tuned_allreduce_algorithm", "4")
@@ -41,8 +41,7 @@ COLUMNS = (
     Column("scheme", field("scheme")),
     Column("payload bytes", field("bytes", "{:,}")),
     Column("step s", field("step_seconds", "{:.3f}")),
-    Column("speed-up vs none", lambda r: "-" if r["speedup"] is None
-           else f"{r['speedup']:.2f}x"),
+    Column("speed-up vs none", optional_field("speedup", "{:.2f}x")),
     Column("fp32 ring time s", field("ideal_fp32_seconds", "{:.3f}")),
 )
 TARGETS = ()

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-from hvd_compress.bench.report import Column, Row, Target, field
+from hvd_compress.bench.report import Column, Row, Target, field, optional_field
 from hvd_compress.comm.ps_client import GRPC_SERVICE, shard_bounds
 from hvd_compress.sparse_wire import Kind, encode_frame
 from ps_server.service import ShardService
@@ -47,11 +47,9 @@ COLUMNS = [
     Column("workers", field("workers")),
     Column("pairs/round", field("pairs_per_round", "{:,}")),
     Column("wall s", field("seconds", "{:.3f}")),
-    Column("server cpu s", lambda r: "-" if r["server_cpu_seconds"] is None
-           else f"{r['server_cpu_seconds']:.3f}"),
+    Column("server cpu s", optional_field("server_cpu_seconds", "{:.3f}")),
     Column("M pairs/s per server", field("mpairs_per_s_per_server", "{:.2f}")),
-    Column("M pairs per server cpu s", lambda r: "-" if r["mpairs_per_server_cpu_s"] is None
-           else f"{r['mpairs_per_server_cpu_s']:.2f}"),
+    Column("M pairs per server cpu s", optional_field("mpairs_per_server_cpu_s", "{:.2f}")),
 ]
 TARGETS = [Target({"transport": t}, "mpairs_per_s_per_server", ">=", 50.0)
            for t in ("grpc", "in-process")]

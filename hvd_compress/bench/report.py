@@ -27,6 +27,11 @@ def field(key: str, fmt: str = "{}") -> Callable[[Row], str]:
     return lambda row: fmt.format(row[key])
 
 
+def optional_field(key: str, fmt: str) -> Callable[[Row], str]:
+    """Like :func:`field`, but ``-`` where the field is ``None`` (not measured)."""
+    return lambda row: "-" if row[key] is None else fmt.format(row[key])
+
+
 @dataclass(frozen=True)
 class Target:
     """A goal for one metric of the rows matching ``where``; reported, never enforced."""

@@ -10,6 +10,7 @@ call a collective themselves and run unchanged in one process.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -71,6 +72,12 @@ class SparseSum:
     def value_dtype(self) -> ValueDType:
         return wire_dtype(self.values)
 
+    @cached_property
+    def wire_nbytes(self) -> int:
+        """The coded index and value sections of this rank's frame; computed once (the
+        pipeline counts it and the scheme reports it)."""
+        return pairs_nbytes(self.indices.detach().cpu().numpy(), self.numel, self.value_dtype)
+
 
 Collective = AllReduce | AllGather | AllToAll | SparseSum
 
@@ -79,7 +86,7 @@ def nbytes(op: Collective) -> int:
     """Bytes this rank hands to the collective. For :class:`SparseSum`, the coded index
     and value sections of its frame (:func:`hvd_compress.sparse_wire.pairs_nbytes`)."""
     if isinstance(op, SparseSum):
-        return pairs_nbytes(op.indices.detach().cpu().numpy(), op.numel, op.value_dtype)
+        return op.wire_nbytes
     return op.tensor.numel() * op.tensor.element_size()
 
 
