@@ -54,7 +54,7 @@ VERSION = 1
 SERVER_ID = 0xFFFFFFFF
 MAX_NUMEL = 1 << 32
 MAX_NAME_BYTES = 1024
-_MAX_VARINT_BYTES = 5  # a gap below MAX_NUMEL = 2**32 needs at most ceil(32 / 7) groups
+_MAX_VARINT_BYTES = native_sparse.MAX_VARINT_BYTES
 
 _HEADER = struct.Struct("<4sBBBBIQIIQQIH")
 HEADER_BYTES = _HEADER.size
@@ -249,19 +249,22 @@ def encode_frame(kind: Kind, tensor: str, shard: int, shards: int, round: int, w
         coding = choose_coding(idx, numel, dtype.numpy.itemsize)
     if coding is IndexCoding.VARINT:
         section = native_sparse.varint_encode_indices(idx)
-        index_bytes = (varint_encode(_gaps(idx)) if section is None else section).tobytes()
+        index_section = varint_encode(_gaps(idx)) if section is None else section
     elif coding is IndexCoding.BITMAP:
         bits = np.zeros(bitmap_nbytes(numel) * 8, dtype=bool)
         bits[idx] = True
-        index_bytes = np.packbits(bits, bitorder="little").tobytes()
+        index_section = np.packbits(bits, bitorder="little")
     else:
         dense = np.zeros(numel, dtype=dtype.numpy)
         dense[idx] = val
-        val, index_bytes = dense, b""
+        val, index_section = dense, np.zeros(0, np.uint8)
     header = _HEADER.pack(MAGIC, VERSION, int(kind), int(coding), int(dtype), worker, round,
-                          shard, shards, numel, val.size, len(index_bytes), len(name))
-    body = b"".join([header, name, index_bytes, val.tobytes()])
-    return body + struct.pack("<I", zlib.crc32(body))
+                          shard, shards, numel, val.size, index_section.nbytes, len(name))
+    parts = [header, name, np.ascontiguousarray(index_section), np.ascontiguousarray(val)]
+    crc = 0
+    for part in parts:
+        crc = zlib.crc32(part, crc)
+    return b"".join([*parts, struct.pack("<I", crc)])  # one copy of the sections
 
 
 def decode_frame(data: bytes | bytearray | memoryview, max_numel: int = MAX_NUMEL) -> Frame:

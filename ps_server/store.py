@@ -1,13 +1,13 @@
 """The round state machine and shard store: no I/O, safe to call from many threads.
 
-Per tensor, the shard keeps one open round ``r`` and a dense float32 accumulator ``a`` of
-the shard's ``numel`` elements. A push of pairs ``(i_j, v_j)`` from worker ``w`` for round
-``r`` scatter-adds ``a[i_j] += v_j`` (indices in a frame are unique, so this is one
-vectorised add) and records ``w``. When all ``W`` workers have pushed, the round closes:
+Per tensor, the shard keeps one open round ``r`` and the pushes received for it: a push
+of pairs ``(i_j, v_j)`` from worker ``w`` is decoded and checked, then held. When all
+``W`` workers have pushed, the round closes and its pushes are summed into
+``a = sum_w v_w`` on ``U``, the union of the pushed indices, in one merge over the sorted
+pushes (float32, added in worker order, so the result does not depend on arrival order):
 
-* mode ``union``: the aggregate is ``{(i, a[i]) : i in U}``, ``U`` the union of the pushed
-  indices, i.e. the exact sum ``sum_w v_w`` over ``U``;
-* mode ``topk``: with the server residual ``e``, ``s = a + e``; the aggregate is the ``k``
+* mode ``union``: the aggregate is ``{(i, a[i]) : i in U}``, the exact sum;
+* mode ``topk``: with the dense server residual ``e``, ``s = a + e``; the aggregate is the ``k``
   entries of largest ``|s_i|`` (``k`` = the most pairs any worker pushed this round) and
   ``e <- s`` with those entries zeroed (error feedback on the server). A non-finite ``s``
   is returned whole and ``e`` is kept, so workers detect it and skip the step.
@@ -86,9 +86,7 @@ class Finished:
 class TensorState:
     numel: int
     round: int
-    pushed: dict[int, int] = field(default_factory=dict)  # worker -> pairs pushed
-    acc: np.ndarray | None = None
-    touched: np.ndarray | None = None  # bitmap of the elements pushed this round (uint64)
+    pushed: dict[int, Frame] = field(default_factory=dict)  # this round's, by worker
     opened: float | None = None
     residual: np.ndarray | None = None
     last: Finished | None = None
@@ -256,33 +254,18 @@ class ShardStore:
                                f"tensor was registered with {state.numel}")
 
     def _add(self, state: TensorState, frame: Frame) -> None:
-        if state.acc is None:
-            state.acc = np.zeros(state.numel, dtype=np.float32)
-            state.touched = np.zeros(native_sparse.touched_words(state.numel), dtype=np.uint64)
-        if not native_sparse.scatter_add(state.acc, state.touched, frame.indices, frame.values):
-            state.acc[frame.indices] += frame.values  # indices are unique within a frame
-            bits = np.left_shift(np.uint64(1), (frame.indices & 63).astype(np.uint64))
-            np.bitwise_or.at(state.touched, frame.indices >> 6, bits)
-        state.pushed[frame.worker] = frame.count
+        state.pushed[frame.worker] = frame
         if state.opened is None:
             state.opened = self.clock()
 
     def _close(self, tensor: str, state: TensorState) -> None:
-        acc = state.acc  # allocated by the first push (_add)
-        if self.mode == "union":
-            # The union's pairs, leaving acc and touched zero for the next round.
-            pairs = native_sparse.collect(acc, state.touched)
-            if pairs is None:
-                bits = np.unpackbits(state.touched.view(np.uint8), bitorder="little")
-                indices = np.flatnonzero(bits[:state.numel])
-                pairs = indices, acc[indices]
-                acc[indices] = 0.0
-                state.touched.fill(0)
-            indices, values = pairs
-        else:
-            total = acc + state.residual
+        pushes = [state.pushed[w] for w in sorted(state.pushed)]
+        indices, values = sum_pushes(pushes, state.numel)
+        if self.mode == "topk":
+            total = state.residual.copy()
+            total[indices] += values
             if np.isfinite(total).all():
-                k = min(max(state.pushed.values(), default=0), state.numel)
+                k = min(max(f.count for f in pushes), state.numel)
                 indices = np.sort(np.argpartition(-np.abs(total), k - 1)[:k]) if k else \
                     np.zeros(0, np.int64)
                 values = total[indices]
@@ -291,7 +274,6 @@ class ShardStore:
             else:
                 indices = np.arange(state.numel)
                 values = total
-            self._clear(state)
         state.last = Finished(state.round, indices.astype(np.int64, copy=False),
                               values.astype(np.float32, copy=False))
         self.closed_rounds += 1
@@ -313,7 +295,6 @@ class ShardStore:
                      f"{state.round + 1}")
             log.error("%s", error)
             state.last = Finished(state.round, error=error)
-            self._clear(state)
             self.failed_rounds += 1
             self._finish(tensor, state, error)
 
@@ -324,12 +305,6 @@ class ShardStore:
         state.opened = None
         state.resumed = False
         self._cond.notify_all()
-
-    @staticmethod
-    def _clear(state: TensorState) -> None:
-        if state.acc is not None:
-            state.acc.fill(0.0)
-            state.touched.fill(0)
 
     def _try_pull_locked(self, frame: Frame) -> bytes | None:
         state = self.tensors.get(frame.tensor)
@@ -363,3 +338,17 @@ class ShardStore:
         return FutureRound(f"{where} is ahead of the server, which is at round {state.round} "
                            f"(waiting for pushes from workers {waiting}); finish round "
                            f"{state.round} first")
+
+
+def sum_pushes(pushes: list[Frame], numel: int) -> tuple[np.ndarray, np.ndarray]:
+    """The union of the pushes' indices (increasing, int64) and the float32 sums there,
+    added in the order of ``pushes``."""
+    pairs = [(f.indices, f.values) for f in pushes]
+    merged = native_sparse.merge_sum(pairs)
+    if merged is not None:
+        return merged
+    acc = np.zeros(numel, dtype=np.float32)
+    for indices, values in pairs:
+        acc[indices] += values  # indices are unique within a frame
+    union = np.unique(np.concatenate([indices for indices, _ in pairs]))
+    return union, acc[union]

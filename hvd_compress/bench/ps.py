@@ -4,7 +4,8 @@ Two measurements per (shards, workers) pair, both on one sparse tensor of ``nume
 elements where each simulated worker pushes ``density * numel`` random pairs (fp32 values,
 delta+varint indices) per round, for ``rounds`` rounds:
 
-Each measurement runs one untimed warm-up round first (it allocates the accumulators).
+Each measurement runs one untimed warm-up round first (it registers the tensor and
+connects).
 
 * ``grpc``: real server processes (``python -m ps_server``, one per shard, on loopback)
   and one client thread per worker sending pre-encoded frames over gRPC: push, then pull
@@ -13,7 +14,7 @@ Each measurement runs one untimed warm-up round first (it allocates the accumula
   server processes' CPU seconds are reported beside it, since clients and servers share
   this machine's cores.
 * ``in-process``: the same frames through one shard's request handling
-  (:class:`ps_server.service.ShardService`: decode, scatter-add, close, encode the
+  (:class:`ps_server.service.ShardService`: decode, hold, sum at the close, encode the
   aggregate once) called directly on one thread: the aggregation code without transport.
 """
 
@@ -110,7 +111,7 @@ def measure_in_process(workers: int, numel: int, density: float, rounds: int) ->
         for w in range(workers):
             service.pull(pulls[w][r][0], "bench", timeout=60.0)
 
-    run_round(0)  # warm-up: allocates and first touches the accumulator
+    run_round(0)  # warm-up: registers the tensor
     start = time.perf_counter()
     for r in range(1, 1 + rounds):
         run_round(r)

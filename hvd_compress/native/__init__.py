@@ -1,5 +1,5 @@
 """Native CPU kernels, compiled once and cached: the packed codecs (``codecs.cpp``) and
-the parameter server's sparse index coding and accumulator (``sparse.cpp``, used through
+the parameter server's sparse index coding and aggregation (``sparse.cpp``, used through
 :mod:`hvd_compress.native.sparse`).
 
 Each encode or decode of a CPU tensor is one fused pass over the data in C++ (OpenMP, with
@@ -56,7 +56,7 @@ _SPARSE_SIGNATURES: dict[str, tuple] = {
     "varint_decode": (_c_ptr, _c_int64, _c_int64, _c_int64, _c_ptr),
     "varint_nbytes": (_c_ptr, _c_int64),
     "varint_encode": (_c_ptr, _c_int64, _c_ptr),
-    "collect": (_c_ptr, _c_ptr, _c_int64, _c_ptr, _c_ptr),
+    "merge_sum": (_c_int64, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_ptr),
 }
 """Argument types of the ``sparse.cpp`` kernels that return an int64."""
 
@@ -125,8 +125,6 @@ def _load() -> ctypes.CDLL:
     for name, argtypes in _SPARSE_SIGNATURES.items():
         fn = getattr(lib, f"hvdc_{name}")
         fn.argtypes, fn.restype = list(argtypes), _c_int64
-    lib.hvdc_scatter_add.argtypes = [_c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_int64]
-    lib.hvdc_scatter_add.restype = None
     return lib
 
 

@@ -1,9 +1,10 @@
 // Sparse (index, value) kernels of the parameter-server frames and the server's
-// accumulator: delta+varint index coding (hvd_compress/sparse_wire.py gives the format)
-// and the scatter-add / collect of a round. Single-threaded: a server runs one process per
-// shard, and these loops are bound by memory access, not arithmetic.
+// aggregation: delta+varint index coding (hvd_compress/sparse_wire.py gives the format)
+// and the sum of a round's pushes. Single-threaded: a server runs one process per shard,
+// and these loops are bound by memory access, not arithmetic.
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 extern "C" {
 
@@ -71,39 +72,53 @@ int64_t hvdc_varint_encode(const int64_t* idx, int64_t count, uint8_t* out) {
     return pos;
 }
 
-// acc[idx[j]] += val[j] and bit idx[j] of the bitmap `touched` set (LSB first), for
-// unique in-range indices. The accumulator is far larger than the caches and the indices
-// sparse, so the loads are prefetched a few pairs ahead.
-void hvdc_scatter_add(float* acc, uint64_t* touched, const int64_t* idx, const float* val,
-                      int64_t count) {
-    constexpr int64_t kAhead = 16;
-    for (int64_t j = 0; j < count; ++j) {
-        if (j + kAhead < count) __builtin_prefetch(acc + idx[j + kAhead], 1);
-        const int64_t i = idx[j];
-        acc[i] += val[j];
-        touched[i >> 6] |= uint64_t(1) << (i & 63);
-    }
-}
-
-// Emit every position whose bit is set in `touched` (increasing), with its accumulated
-// value, and reset both there (the accumulator is then all zeros again). `words` is the
-// bitmap's length in 64-bit words. Returns the number of pairs written.
-int64_t hvdc_collect(float* acc, uint64_t* touched, int64_t words, int64_t* out_idx,
-                     float* out_val) {
+// The union of `lists` sparse vectors and its sums: list l holds counts[l] pairs
+// (idx[l][j], val[l][j]) with strictly increasing indices. Writes the union's indices in
+// increasing order to out_idx and, for each, the sum of the lists' values there, added in
+// list order starting from 0.0f, to out_val (room for the sum of the counts). Returns the
+// number of pairs written.
+//
+// The sums are formed block by block of kBlock consecutive indices, in a scratch
+// accumulator that stays in cache: every list's cursor advances through the block, then
+// the block's marked positions are emitted (in order) and cleared. Memory is touched only
+// sequentially, whatever the indices' range; blocks holding no pair are skipped.
+int64_t hvdc_merge_sum(int64_t lists, const int64_t* const* idx, const float* const* val,
+                       const int64_t* counts, int64_t* out_idx, float* out_val) {
+    constexpr int64_t kBlock = 1 << 13, kWords = kBlock / 64;
+    std::vector<int64_t> cursor(size_t(lists), 0);
+    std::vector<float> acc(kBlock, 0.0f);
+    std::vector<uint64_t> marked(kWords, 0);
     int64_t n = 0;
-    for (int64_t w = 0; w < words; ++w) {
-        uint64_t bits = touched[w];
-        if (!bits) continue;
-        touched[w] = 0;
-        do {
-            const int64_t i = (w << 6) + __builtin_ctzll(bits);
-            out_idx[n] = i;
-            out_val[n++] = acc[i];
-            acc[i] = 0.0f;
-            bits &= bits - 1;
-        } while (bits);
+    for (;;) {
+        int64_t lowest = INT64_MAX;
+        for (int64_t l = 0; l < lists; ++l)
+            if (cursor[l] < counts[l] && idx[l][cursor[l]] < lowest) lowest = idx[l][cursor[l]];
+        if (lowest == INT64_MAX) return n;
+        const int64_t base = lowest & ~(kBlock - 1), end = base + kBlock;
+        for (int64_t l = 0; l < lists; ++l) {
+            const int64_t* ix = idx[l];
+            const float* v = val[l];
+            int64_t j = cursor[l];
+            for (const int64_t c = counts[l]; j < c && ix[j] < end; ++j) {
+                const int64_t i = ix[j] - base;
+                acc[i] += v[j];
+                marked[i >> 6] |= uint64_t(1) << (i & 63);
+            }
+            cursor[l] = j;
+        }
+        for (int64_t w = 0; w < kWords; ++w) {
+            uint64_t bits = marked[w];
+            if (!bits) continue;
+            marked[w] = 0;
+            do {
+                const int64_t i = (w << 6) + __builtin_ctzll(bits);
+                out_idx[n] = base + i;
+                out_val[n++] = acc[i];
+                acc[i] = 0.0f;
+                bits &= bits - 1;
+            } while (bits);
+        }
     }
-    return n;
 }
 
 }  // extern "C"

@@ -1,6 +1,6 @@
-"""numpy front end of ``sparse.cpp``: varint index coding and a shard's accumulator.
+"""numpy front end of ``sparse.cpp``: varint index coding and the sum of a round's pushes.
 
-Each function returns ``None`` (or ``False``) when the native library is unavailable (its
+Each function returns ``None`` when the native library is unavailable (its
 build failed, and :func:`hvd_compress.native.library` has warned) or
 :func:`hvd_compress.native.disabled`; the caller then runs its numpy code.
 """
@@ -8,10 +8,14 @@ build failed, and :func:`hvd_compress.native.library` has warned) or
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 
 import numpy as np
 
 from hvd_compress.native import available, library
+
+MAX_VARINT_BYTES = 5
+"""Bytes of the longest varint: a gap below 2**32 (any shard's size) has 5 groups of 7 bits."""
 
 
 def _lib() -> ctypes.CDLL | None:
@@ -58,10 +62,8 @@ def varint_encode_indices(indices: np.ndarray) -> np.ndarray | None:
     if lib is None:
         return None
     indices = np.ascontiguousarray(indices, dtype=np.int64)
-    out = np.empty(int(lib.hvdc_varint_nbytes(_ptr(indices), indices.size)), dtype=np.uint8)
-    written = lib.hvdc_varint_encode(_ptr(indices), indices.size, _ptr(out))
-    assert written == out.size
-    return out
+    out = np.empty(MAX_VARINT_BYTES * indices.size, dtype=np.uint8)  # pages touched if used
+    return out[:lib.hvdc_varint_encode(_ptr(indices), indices.size, _ptr(out))]
 
 
 def varint_index_nbytes(indices: np.ndarray) -> int | None:
@@ -73,34 +75,22 @@ def varint_index_nbytes(indices: np.ndarray) -> int | None:
     return int(lib.hvdc_varint_nbytes(_ptr(indices), indices.size))
 
 
-def touched_words(numel: int) -> int:
-    """Length in 64-bit words of the bitmap that marks a shard's touched elements."""
-    return (numel + 63) // 64
-
-
-def scatter_add(acc: np.ndarray, touched: np.ndarray, indices: np.ndarray,
-                values: np.ndarray) -> bool:
-    """``acc[indices] += values`` and the indices' bits set in ``touched`` (uint64 words,
-    bit ``i % 64`` of word ``i // 64``), for unique in-range indices; ``acc`` is float32.
-    False if not native."""
-    lib = _lib()
-    if lib is None:
-        return False
-    indices = np.ascontiguousarray(indices, dtype=np.int64)
-    values = np.ascontiguousarray(values, dtype=np.float32)
-    lib.hvdc_scatter_add(_ptr(acc), _ptr(touched), _ptr(indices), _ptr(values), indices.size)
-    return True
-
-
-def collect(acc: np.ndarray, touched: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-    """The positions whose bits are set (increasing) and their sums; resets both there."""
+def merge_sum(pairs: Sequence[tuple[np.ndarray, np.ndarray]]
+              ) -> tuple[np.ndarray, np.ndarray] | None:
+    """The union of sparse vectors ``(indices, values)`` (strictly increasing int64
+    indices) and the sums there, added in list order from 0: increasing int64 indices and
+    float32 sums. None if not native."""
     lib = _lib()
     if lib is None:
         return None
-    count = int(np.bitwise_count(touched).sum())
-    indices = np.empty(count, dtype=np.int64)
-    values = np.empty(count, dtype=np.float32)
-    written = lib.hvdc_collect(_ptr(acc), _ptr(touched), touched.size, _ptr(indices),
-                               _ptr(values))
-    assert written == count
-    return indices, values
+    idx = [np.ascontiguousarray(i, dtype=np.int64) for i, _ in pairs]
+    val = [np.ascontiguousarray(v, dtype=np.float32) for _, v in pairs]
+    counts = np.array([i.size for i in idx], dtype=np.int64)
+    total = int(counts.sum())
+    indices = np.empty(total, dtype=np.int64)
+    values = np.empty(total, dtype=np.float32)
+    idx_table = np.array([a.ctypes.data for a in idx] or [0], dtype=np.uintp)
+    val_table = np.array([a.ctypes.data for a in val] or [0], dtype=np.uintp)
+    written = lib.hvdc_merge_sum(len(idx), _ptr(idx_table), _ptr(val_table), _ptr(counts),
+                                 _ptr(indices), _ptr(values))
+    return indices[:written], values[:written]
