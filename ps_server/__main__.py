@@ -158,8 +158,9 @@ def _serve_grpc(args: argparse.Namespace, service: ShardService, host: str, port
         log.warning("no token: anyone who reaches %s:%d can push gradients (use "
                     "--token-file)", host, port)
     try:
-        server, port = grpc_transport.serve(service, f"{host}:{port}", token, tls,
-                                            args.max_message_mb << 20, args.threads)
+        server, port = grpc_transport.serve(service, f"{host}:{port}", args.deadline + 1.0,
+                                            token, tls, args.max_message_mb << 20,
+                                            args.threads)
     except OSError as err:
         raise SystemExit(f"hvd-ps-server: {err}") from None
     stop = threading.Event()

@@ -14,7 +14,7 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent import futures
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -51,13 +51,24 @@ class _TokenInterceptor(grpc.ServerInterceptor):
         return self._deny
 
 
-def serve(service: ShardService, bind: str, token: str | None = None,
+class FrameHandler(Protocol):
+    """What :func:`serve` answers requests with: a :class:`ShardService` (or, to measure
+    the transport alone, a handler that does no work)."""
+
+    def push(self, data: bytes, peer: str) -> bytes: ...
+
+    def pull(self, data: bytes, peer: str, timeout: float) -> bytes: ...
+
+
+def serve(service: FrameHandler, bind: str, pull_timeout: float, token: str | None = None,
           tls: tuple[bytes, bytes] | None = None, max_message_bytes: int = 256 << 20,
           threads: int = 64) -> tuple[grpc.Server, int]:
     """Start the gRPC server; returns it and the bound port (``bind`` may use port 0).
 
-    ``tls`` is ``(private key PEM, certificate chain PEM)``. Pulls hold a thread until
-    their round finishes, so ``threads`` should exceed workers times tensors in flight.
+    A pull waits for its round up to the client's deadline, or ``pull_timeout`` seconds
+    if the call has none. ``tls`` is ``(private key PEM, certificate chain PEM)``. Pulls
+    hold a thread until their round finishes, so ``threads`` should exceed workers times
+    tensors in flight.
     """
 
     def call(method: Callable[[bytes, str, grpc.ServicerContext], bytes]
@@ -75,7 +86,7 @@ def serve(service: ShardService, bind: str, token: str | None = None,
 
     def pull(request: bytes, peer: str, context: grpc.ServicerContext) -> bytes:
         remaining = context.time_remaining()
-        timeout = service.store.deadline + 1.0 if remaining is None else max(remaining, 0.0)
+        timeout = pull_timeout if remaining is None else max(remaining, 0.0)
         return service.pull(request, peer, timeout)
 
     handlers = {

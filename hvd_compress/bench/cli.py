@@ -83,8 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="elements of the sparse tensor (default 16M)")
     server.add_argument("--density", type=float, default=0.01,
                         help="fraction of the elements each worker pushes (default 0.01)")
-    server.add_argument("--rounds", type=_positive_int, default=5,
-                        help="rounds timed per configuration (default 5)")
+    server.add_argument("--rounds", type=_positive_int, default=20,
+                        help="rounds timed per configuration (default 20)")
 
     links = commands.add_parser("link", help="step time on emulated hosts with throttled "
                                 "links (root; network namespaces and tc)")

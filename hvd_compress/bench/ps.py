@@ -13,6 +13,10 @@ connects).
   pairs pushed per wall-clock second divided by the number of server processes; the
   server processes' CPU seconds are reported beside it, since clients and servers share
   this machine's cores.
+* ``grpc, no work``: the same clients against servers that do no work
+  (:mod:`hvd_compress.bench.null_server`: same gRPC settings; pushes answered unread,
+  pulls at once with a payload the size of the real aggregate): what gRPC alone can move
+  on this machine, measured beside each ``grpc`` row.
 * ``in-process``: the same frames through one shard's request handling
   (:class:`ps_server.service.ShardService`: decode, hold, sum at the close, encode the
   aggregate once) called directly on one thread: the aggregation code without transport.
@@ -35,12 +39,13 @@ import psutil
 
 from hvd_compress.bench.report import Column, Row, Target, field, optional_field
 from hvd_compress.comm.ps_client import GRPC_SERVICE, shard_bounds
-from hvd_compress.sparse_wire import Kind, encode_frame
+from hvd_compress.sparse_wire import SERVER_ID, Kind, decode_frame, encode_frame
 from ps_server.service import ShardService
-from ps_server.store import ShardStore
+from ps_server.store import ShardStore, sum_pushes
 
 TENSOR = "bench.ps"
 READY = re.compile(r"serving shard \d+/\d+ on (\S+) ")
+TRANSPORT_ONLY = "grpc, no work"
 
 COLUMNS = [
     Column("transport", field("transport")),
@@ -121,9 +126,10 @@ def measure_in_process(workers: int, numel: int, density: float, rounds: int) ->
 
 
 class _Servers:
-    """``shards`` server processes on loopback ports, each logging to a file."""
+    """One server process per command (``python -m <module> <args>``), on loopback ports,
+    each logging to a file."""
 
-    def __init__(self, shards: int, workers: int) -> None:
+    def __init__(self, commands: list[list[str]]) -> None:
         self.dir = tempfile.TemporaryDirectory(prefix="hvdc-bench-ps-")
         self.procs: list[subprocess.Popen[bytes]] = []
         self.addresses: list[str] = []
@@ -131,14 +137,12 @@ class _Servers:
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
         try:
-            for s in range(shards):
+            for s, command in enumerate(commands):
                 log = Path(self.dir.name) / f"shard{s}.log"
                 with log.open("wb") as out:
-                    self.procs.append(subprocess.Popen(
-                        [sys.executable, "-m", "ps_server", "--bind", "127.0.0.1:0",
-                         "--workers", str(workers), "--shard", f"{s}/{shards}",
-                         "--deadline", "600", "--max-message-mb", "512"],
-                        stdout=out, stderr=subprocess.STDOUT, env=env))
+                    self.procs.append(subprocess.Popen([sys.executable, "-m", *command],
+                                                       stdout=out, stderr=subprocess.STDOUT,
+                                                       env=env))
                 self.addresses.append(self._wait_ready(self.procs[-1], log))
         except BaseException:
             self.close()
@@ -176,12 +180,29 @@ class _Servers:
         self.dir.cleanup()
 
 
-def measure_grpc(shards: int, workers: int, numel: int, density: float, rounds: int) -> Row:
-    """Server processes over gRPC (see the module docstring)."""
+def aggregate_nbytes(pushes: list[list[list[bytes]]], round: int, shard: int) -> int:
+    """Size of the aggregate frame the server answers for this round and shard."""
+    frames = [decode_frame(worker[round][shard]) for worker in pushes]
+    indices, values = sum_pushes(frames, frames[0].numel)
+    return len(encode_frame(Kind.AGGREGATE, TENSOR, shard, frames[0].shards, round, SERVER_ID,
+                            frames[0].numel, indices, values))
+
+
+def measure_grpc(shards: int, workers: int, numel: int, density: float, rounds: int,
+                 transport_only: bool = False) -> Row:
+    """Server processes over gRPC, or with ``transport_only`` servers that do no work
+    (see the module docstring)."""
     import grpc
 
     pushes, pulls = make_frames(workers, shards, numel, density, 1 + rounds)
-    servers = _Servers(shards, workers)
+    if transport_only:
+        commands = [["hvd_compress.bench.null_server", "--reply-bytes",
+                     str(aggregate_nbytes(pushes, 1, s))] for s in range(shards)]
+    else:
+        commands = [["ps_server", "--bind", "127.0.0.1:0", "--workers", str(workers),
+                     "--shard", f"{s}/{shards}", "--deadline", "600",
+                     "--max-message-mb", "512"] for s in range(shards)]
+    servers = _Servers(commands)
     options = [("grpc.max_send_message_length", 512 << 20),
                ("grpc.max_receive_message_length", 512 << 20)]
     channels = [[grpc.insecure_channel(a, options=options) for a in servers.addresses]
@@ -226,12 +247,15 @@ def measure_grpc(shards: int, workers: int, numel: int, density: float, rounds: 
     if errors:
         raise RuntimeError(f"a simulated worker failed: {errors[0]!r}") from errors[0]
     k = max(1, int(density * numel))
-    return _row("grpc", shards, workers, workers * k, rounds, seconds, cpu)
+    return _row(TRANSPORT_ONLY if transport_only else "grpc", shards, workers, workers * k,
+                rounds, seconds, cpu)
 
 
 def run(workers_list: Sequence[int], shards_list: Sequence[int], numel: int,
         density: float, rounds: int) -> list[Row]:
     rows = [measure_in_process(w, numel, density, rounds) for w in workers_list]
-    rows += [measure_grpc(s, w, numel, density, rounds)
-             for s in shards_list for w in workers_list]
+    for s in shards_list:
+        for w in workers_list:  # side by side: the server, then the transport alone
+            rows.append(measure_grpc(s, w, numel, density, rounds))
+            rows.append(measure_grpc(s, w, numel, density, rounds, transport_only=True))
     return rows
