@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import horovod.torch as hvd
@@ -46,7 +47,7 @@ class HorovodTorchCommunicator:
 
     def wait(self, handle: tuple[Collective, int]) -> torch.Tensor | list[torch.Tensor]:
         op, hvd_handle = handle
-        result = hvd.synchronize(hvd_handle)
+        result = hvd.synchronize(_done(hvd_handle))
         if isinstance(op, AllReduce):
             return result
         if isinstance(op, AllGather):
@@ -55,3 +56,18 @@ class HorovodTorchCommunicator:
             return sum_frames(op, result.numpy())
         output, received = result
         return list(torch.split(output, received.tolist()))
+
+
+def _done(hvd_handle: int, longest_sleep: float = 1e-4) -> int:
+    """Return ``hvd_handle`` once its collective has finished, sleeping between polls.
+
+    ``hvd.synchronize`` spins (``std::this_thread::yield``) until the collective is done,
+    keeping a core busy that Horovod's background thread, the other ranks on the host and
+    a parameter server's client threads need; sleeping costs at most ``longest_sleep``
+    seconds of latency per wait.
+    """
+    sleep = 1e-6
+    while not hvd.poll(hvd_handle):
+        time.sleep(sleep)
+        sleep = min(2 * sleep, longest_sleep)
+    return hvd_handle
