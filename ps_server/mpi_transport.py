@@ -24,12 +24,13 @@ from ps_server.store import RequestError
 log = logging.getLogger("ps_server")
 
 
-def serve(service: ShardService, world: Any, workers: list[int], max_idle_sleep: float = 5e-3
+def serve(service: ShardService, world: Any, workers: list[int], max_idle_sleep: float = 2e-4
           ) -> None:
     """Serve requests from the worker ranks ``workers`` of ``world`` until all say bye.
 
-    While idle, the loop polls with a sleep growing to ``max_idle_sleep``, and checks
-    deadlines and parked pulls at most every 20 ms.
+    While idle, the loop polls with a sleep growing from 10 µs to ``max_idle_sleep`` (a
+    blocking probe would spin a core the workers on the host need, and every request may
+    wait up to that long), and checks deadlines and parked pulls at most every 20 ms.
     """
     from mpi4py import MPI
 
@@ -44,7 +45,7 @@ def serve(service: ShardService, world: Any, workers: list[int], max_idle_sleep:
                 service.tick()
                 parked = _answer_parked(service, world, parked)
                 next_tick = time.monotonic() + 0.02
-            idle = min(max(2 * idle, 1e-4), max_idle_sleep)
+            idle = min(max(2 * idle, 1e-5), max_idle_sleep)
             time.sleep(idle)
             continue
         idle = 0.0

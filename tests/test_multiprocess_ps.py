@@ -13,7 +13,7 @@ import torch
 
 from tests.harness import run_ranks
 from tests.servers import ServerProcess
-from tests.test_multiprocess import check_aggregates, check_training
+from tests.test_multiprocess import check_aggregates, check_idle_wait, check_training
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
 
@@ -62,6 +62,14 @@ def test_digits_with_a_parameter_server_matches_uncompressed(
     assert accuracy["none"] > 94, accuracy
     for spec, acc in accuracy.items():
         assert acc >= accuracy["none"] - 1.0, f"{spec}: {acc:.2f}% vs {accuracy['none']:.2f}%"
+
+
+def test_waiting_on_the_mpi_server_leaves_the_core_idle() -> None:
+    """A blocking MPI receive spins; the MPI client polls and sleeps while its pull waits
+    a second for the other worker's push."""
+    ranks = run_ranks("tests.workers.dense:late_partner", launcher="mpi", mpi_servers=1,
+                      ps="mpi", delay=1.0)
+    check_idle_wait(ranks, 1.0)
 
 
 def test_topk_sums_agree_between_the_server_and_allgather(

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import horovod.torch as hvd
 import numpy as np
 import torch
 
-from hvd_compress.comm.base import split_gathered
+from hvd_compress.comm.base import poll_until, split_gathered
 from hvd_compress.comm.ops import AllGather, AllReduce, AllToAll, Collective, SparseSum
 from hvd_compress.comm.sparse_frames import encode_sparse_frame, sum_frames
 
@@ -47,7 +46,8 @@ class HorovodTorchCommunicator:
 
     def wait(self, handle: tuple[Collective, int]) -> torch.Tensor | list[torch.Tensor]:
         op, hvd_handle = handle
-        result = hvd.synchronize(_done(hvd_handle))
+        poll_until(lambda: hvd.poll(hvd_handle))  # synchronize alone would spin
+        result = hvd.synchronize(hvd_handle)
         if isinstance(op, AllReduce):
             return result
         if isinstance(op, AllGather):
@@ -56,18 +56,3 @@ class HorovodTorchCommunicator:
             return sum_frames(op, result.numpy())
         output, received = result
         return list(torch.split(output, received.tolist()))
-
-
-def _done(hvd_handle: int, longest_sleep: float = 1e-4) -> int:
-    """Return ``hvd_handle`` once its collective has finished, sleeping between polls.
-
-    ``hvd.synchronize`` spins (``std::this_thread::yield``) until the collective is done,
-    keeping a core busy that Horovod's background thread, the other ranks on the host and
-    a parameter server's client threads need; sleeping costs at most ``longest_sleep``
-    seconds of latency per wait.
-    """
-    sleep = 1e-6
-    while not hvd.poll(hvd_handle):
-        time.sleep(sleep)
-        sleep = min(2 * sleep, longest_sleep)
-    return hvd_handle

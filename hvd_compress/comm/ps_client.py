@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hvd_compress.comm.base import poll_until
 from hvd_compress.comm.ops import sorted_pairs, wire_dtype
 from hvd_compress.sparse_wire import Kind, ValueDType, decode_frame, encode_frame
 
@@ -343,7 +344,10 @@ class MPIPSClient(_ShardedClient):
     def _round_trip(self, tensor: str, round: int, op: str, frames: list[bytes]) -> list[bytes]:
         sends = [self.world.isend((op, frame), dest=rank, tag=MPI_REQUEST_TAG)
                  for rank, frame in zip(self.servers, frames)]
-        replies = [self.world.recv(source=rank, tag=MPI_REPLY_TAG) for rank in self.servers]
+        replies = []
+        for rank in self.servers:  # a blocking recv would spin while the server works
+            poll_until(lambda rank=rank: self.world.Iprobe(source=rank, tag=MPI_REPLY_TAG))
+            replies.append(self.world.recv(source=rank, tag=MPI_REPLY_TAG))
         for request in sends:
             request.wait()
         for shard, (code, payload) in enumerate(replies):

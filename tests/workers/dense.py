@@ -14,7 +14,7 @@ from torch import nn
 from hvd_compress import Compression, NonFiniteGradientError, Pipeline, Policy
 from hvd_compress.comm.base import Communicator
 from hvd_compress.comm.horovod_torch import HorovodTorchCommunicator
-from hvd_compress.comm.ops import AllReduce
+from hvd_compress.comm.ops import SparseSum
 from hvd_compress.comm.parameter_server import ParameterServerCommunicator, connect
 from hvd_compress.schemes.dense import FP16, NoCompression
 from hvd_compress.torch import DistributedOptimizer, broadcast_optimizer_state
@@ -140,16 +140,25 @@ def nonfinite(spec: str) -> dict[str, Any]:
             "recovered_finite": all(bool(t.isfinite().all()) for t in recovered.values())}
 
 
-def late_partner(delay: float) -> dict[str, Any]:
-    """Rank 1 joins an all-reduce ``delay`` seconds after rank 0; each rank reports the
-    wall and process CPU seconds its wait took, and the sum."""
-    comm = HorovodTorchCommunicator()
-    comm.wait(comm.start("warm-up", AllReduce("warm-up", torch.zeros(1))))
-    if hvd.rank() == 1:
+def late_partner(delay: float, ps: str | None = None) -> dict[str, Any]:
+    """Rank 1 joins a sparse sum ``delay`` seconds after rank 0 (through Horovod's
+    allgather, or the parameter servers ``ps``); each rank reports the wall seconds its
+    wait took, the CPU seconds of the waiting thread (Horovod's own background thread
+    apart), and the sum."""
+    comm: Communicator = HorovodTorchCommunicator()
+    if ps:
+        comm = ParameterServerCommunicator(comm, connect(ps, comm.rank), session="late")
+    rank = hvd.rank()
+
+    def pair() -> SparseSum:
+        return SparseSum("late", 4, torch.tensor([rank]), torch.tensor([rank + 1.0]))
+
+    comm.wait(comm.start("warm-up", pair()))
+    if rank == 1:
         time.sleep(delay)
-    wall, cpu = time.perf_counter(), time.process_time()
-    total = comm.wait(comm.start("late", AllReduce("late", torch.full((4,), hvd.rank() + 1.0))))
-    return {"wall": time.perf_counter() - wall, "cpu": time.process_time() - cpu,
+    wall, cpu = time.perf_counter(), time.thread_time()
+    total = comm.wait(comm.start("late", pair()))
+    return {"wall": time.perf_counter() - wall, "cpu": time.thread_time() - cpu,
             "sum": total}
 
 
