@@ -194,3 +194,18 @@ def test_native_and_numpy_frames_are_byte_identical():
             assert encode_frame(Kind.PUSH, "w", 0, 1, 0, 0, numel, idx, val, "fp16",
                                 IndexCoding.VARINT) == frame
         assert np.array_equal(decode_frame(frame).indices, idx)
+
+
+def test_native_varint_encoder_stops_at_its_buffer():
+    """The encoder writes into 5 bytes per index; indices whose gaps would need longer
+    varints (not increasing, or too far apart) raise instead of writing past the buffer."""
+    from hvd_compress.native import sparse as native_sparse
+
+    if native_sparse.varint_encode_indices(np.array([0])) is None:
+        pytest.skip("numpy path: no native buffer")
+    for bad in ([7, 3], [5, 5], [0, 1, 2, -4], [2**40, 2**41, 2**42]):
+        with pytest.raises(ValueError, match="strictly increasing"):
+            native_sparse.varint_encode_indices(np.array(bad))
+    encoded = native_sparse.varint_encode_indices(np.array([0, 127, 2**32 - 1]))
+    assert np.array_equal(varint_decode(encoded, 3).astype(np.int64),
+                          [0, 126, 2**32 - 1 - 127 - 1])

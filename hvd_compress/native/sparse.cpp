@@ -56,12 +56,14 @@ int64_t hvdc_varint_nbytes(const int64_t* idx, int64_t count) {
     return total;
 }
 
-// Write the varints of the gaps of `idx` to `out` (hvdc_varint_nbytes bytes); returns the
-// count written.
+// Write the varints of the gaps of `idx` to `out` (room for 5 bytes per index); returns
+// the count written, or -1 at the first gap of 2**35 or more, which would need a longer
+// varint: `idx` is then not strictly increasing (a negative gap) or spans too much.
 int64_t hvdc_varint_encode(const int64_t* idx, int64_t count, uint8_t* out) {
     int64_t pos = 0, prev = -1;
     for (int64_t j = 0; j < count; ++j) {
         uint64_t gap = uint64_t(idx[j] - prev - 1);
+        if (gap >> 35) return -1;
         prev = idx[j];
         while (gap >= 0x80) {
             out[pos++] = uint8_t(gap) | 0x80;

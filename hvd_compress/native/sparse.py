@@ -63,7 +63,12 @@ def varint_encode_indices(indices: np.ndarray) -> np.ndarray | None:
         return None
     indices = np.ascontiguousarray(indices, dtype=np.int64)
     out = np.empty(MAX_VARINT_BYTES * indices.size, dtype=np.uint8)  # pages touched if used
-    return out[:lib.hvdc_varint_encode(_ptr(indices), indices.size, _ptr(out))]
+    written = lib.hvdc_varint_encode(_ptr(indices), indices.size, _ptr(out))
+    if written < 0:
+        raise ValueError(f"an index gap needs more than {MAX_VARINT_BYTES} varint bytes: "
+                         f"indices must be strictly increasing and below "
+                         f"2**{7 * MAX_VARINT_BYTES}")
+    return out[:written]
 
 
 def varint_index_nbytes(indices: np.ndarray) -> int | None:
