@@ -78,7 +78,7 @@ int64_t hvdc_varint_encode(const int64_t* idx, int64_t count, uint8_t* out) {
 // (idx[l][j], val[l][j]) with strictly increasing indices. Writes the union's indices in
 // increasing order to out_idx and, for each, the sum of the lists' values there, added in
 // list order starting from 0.0f, to out_val (room for the sum of the counts). Returns the
-// number of pairs written.
+// number of pairs written, or -1 if a list's indices decrease (outputs then incomplete).
 //
 // The sums are formed block by block of kBlock consecutive indices, in a scratch
 // accumulator that stays in cache: every list's cursor advances through the block, then
@@ -103,6 +103,7 @@ int64_t hvdc_merge_sum(int64_t lists, const int64_t* const* idx, const float* co
             int64_t j = cursor[l];
             for (const int64_t c = counts[l]; j < c && ix[j] < end; ++j) {
                 const int64_t i = ix[j] - base;
+                if (i < 0) return -1;  // list l decreases: its index lies before this block
                 acc[i] += v[j];
                 marked[i >> 6] |= uint64_t(1) << (i & 63);
             }

@@ -98,4 +98,6 @@ def merge_sum(pairs: Sequence[tuple[np.ndarray, np.ndarray]]
     val_table = np.array([a.ctypes.data for a in val] or [0], dtype=np.uintp)
     written = lib.hvdc_merge_sum(len(idx), _ptr(idx_table), _ptr(val_table), _ptr(counts),
                                  _ptr(indices), _ptr(values))
+    if written < 0:
+        raise ValueError("every list's indices must be increasing")
     return indices[:written], values[:written]
