@@ -1,13 +1,17 @@
-"""The native CPU kernels (:mod:`hvd_compress.native`) against the schemes' torch code."""
+"""The native CPU kernels (:mod:`hvd_compress.native`): codecs against the schemes' torch code,
+and the sparse kernels' guards against malformed input."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from hvd_compress import Compression, native
 from hvd_compress.native import buffers
+from hvd_compress.native import sparse as native_sparse
 from hvd_compress.schemes.base import ExchangeContext, PackedScheme
+from hvd_compress.sparse_wire import varint_decode
 
 CODECS = [
     Compression.onebit(), Compression.onebit(bucket_size=64), Compression.onebit(bucket_size=8),
@@ -153,3 +157,27 @@ def test_rounding_frequencies_are_unbiased(scheme: PackedScheme, frac: float) ->
     total = steps * int(rest.sum())
     target = float(x[1]) / grid - level  # the fraction as float32 holds it
     assert abs(up / total - target) <= 5 * (target * (1 - target) / total) ** 0.5
+
+
+def test_native_varint_encoder_stops_at_its_buffer():
+    """The encoder writes into 5 bytes per index; indices whose gaps would need longer
+    varints (not increasing, or too far apart) raise instead of writing past the buffer."""
+    for bad in ([7, 3], [5, 5], [0, 1, 2, -4], [2**40, 2**41, 2**42]):
+        with pytest.raises(ValueError, match="strictly increasing"):
+            native_sparse.varint_encode_indices(np.array(bad))
+    encoded = native_sparse.varint_encode_indices(np.array([0, 127, 2**32 - 1]))
+    assert np.array_equal(varint_decode(encoded, 3).astype(np.int64),
+                          [0, 126, 2**32 - 1 - 127 - 1])
+
+
+def test_native_merge_refuses_decreasing_indices():
+    """The merge's block accumulator is indexed relative to the block: an index before the
+    block (a list that decreases) raises instead of writing outside it."""
+    ones = np.ones(2, np.float32)
+    merged = native_sparse.merge_sum([(np.array([1, 9000]), ones), (np.array([9000, 20000]),
+                                                                    ones)])
+    assert merged is not None
+    assert np.array_equal(merged[0], [1, 9000, 20000])
+    assert np.array_equal(merged[1], [1, 2, 1])
+    with pytest.raises(ValueError, match="increasing"):
+        native_sparse.merge_sum([(np.array([20000, 3]), ones)])

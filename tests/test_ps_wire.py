@@ -195,33 +195,3 @@ def test_native_and_numpy_frames_are_byte_identical():
                                 IndexCoding.VARINT) == frame
         assert np.array_equal(decode_frame(frame).indices, idx)
 
-
-def test_native_varint_encoder_stops_at_its_buffer():
-    """The encoder writes into 5 bytes per index; indices whose gaps would need longer
-    varints (not increasing, or too far apart) raise instead of writing past the buffer."""
-    from hvd_compress.native import sparse as native_sparse
-
-    if native_sparse.varint_encode_indices(np.array([0])) is None:
-        pytest.skip("numpy path: no native buffer")
-    for bad in ([7, 3], [5, 5], [0, 1, 2, -4], [2**40, 2**41, 2**42]):
-        with pytest.raises(ValueError, match="strictly increasing"):
-            native_sparse.varint_encode_indices(np.array(bad))
-    encoded = native_sparse.varint_encode_indices(np.array([0, 127, 2**32 - 1]))
-    assert np.array_equal(varint_decode(encoded, 3).astype(np.int64),
-                          [0, 126, 2**32 - 1 - 127 - 1])
-
-
-def test_native_merge_refuses_decreasing_indices():
-    """The merge's block accumulator is indexed relative to the block: an index before the
-    block (a list that decreases) raises instead of writing outside it."""
-    from hvd_compress.native import sparse as native_sparse
-
-    ones = np.ones(2, np.float32)
-    merged = native_sparse.merge_sum([(np.array([1, 9000]), ones), (np.array([9000, 20000]),
-                                                                    ones)])
-    if merged is None:
-        pytest.skip("numpy path: no native merge")
-    assert np.array_equal(merged[0], [1, 9000, 20000])
-    assert np.array_equal(merged[1], [1, 2, 1])
-    with pytest.raises(ValueError, match="increasing"):
-        native_sparse.merge_sum([(np.array([20000, 3]), ones)])
