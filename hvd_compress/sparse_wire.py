@@ -260,7 +260,7 @@ def encode_frame(kind: Kind, tensor: str, shard: int, shards: int, round: int, w
         val, index_section = dense, np.zeros(0, np.uint8)
     header = _HEADER.pack(MAGIC, VERSION, int(kind), int(coding), int(dtype), worker, round,
                           shard, shards, numel, val.size, index_section.nbytes, len(name))
-    parts = [header, name, np.ascontiguousarray(index_section), np.ascontiguousarray(val)]
+    parts = [header, name, index_section, val]  # both contiguous (fresh arrays, ravel)
     crc = 0
     for part in parts:
         crc = zlib.crc32(part, crc)
