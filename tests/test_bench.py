@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hvd_compress import Compression
-from hvd_compress.bench import SCHEMES, SPARSE_SCHEMES
+from hvd_compress.bench import SCHEMES, SPARSE_SCHEMES, link
 from hvd_compress.bench.cli import main
 from hvd_compress.bench.kernels import KERNEL_SCHEMES, make_kernel, parse_count
 from hvd_compress.bench.wire_bytes import LAYER_SETS
@@ -200,12 +200,21 @@ def test_ps_bench_rows_count_the_pushed_pairs(tmp_path: Path) -> None:
         assert ("target_met" in row) == (row["transport"] != "grpc, no work")
 
 
+def leftover_network_objects() -> list[str]:
+    """Namespaces and root-namespace links of this process's emulated hosts (named with
+    its pid, as :func:`hvd_compress.bench.link.emulated_hosts` names them)."""
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+    links = subprocess.run(["ip", "-br", "link"], capture_output=True, text=True)
+    names = [line.split()[0] for line in (namespaces.stdout + links.stdout).splitlines()]
+    tag = str(os.getpid() % 100000)
+    return [name for name in names if name.startswith((f"hvdc-{tag}-", f"hv{tag}"))]
+
+
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("tc") or not shutil.which("ip"),
                     reason="needs root, ip and tc for network namespaces")
 def test_link_bench_runs_ranks_on_throttled_namespaces_and_cleans_up(tmp_path: Path) -> None:
-    before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     rows = run_bench(tmp_path, "link", "--layers", "tiny", "--rate", "1mbit", "--steps", "2",
-                     "--schemes", "none", "onebit")
+                     "--schemes", "none", "onebit", "--timeout", "240")
     assert [r["scheme"] for r in rows] == ["none", "onebit"]
     none, onebit = rows
     assert none["bytes"] == none["dense_bytes"] > 10 * onebit["bytes"] > 0
@@ -213,5 +222,23 @@ def test_link_bench_runs_ranks_on_throttled_namespaces_and_cleans_up(tmp_path: P
     # of which at most a 16 KiB burst may pass at once; 1-bit's 2 KB do not wait for it.
     assert none["step_seconds"] >= 0.5 * none["ideal_fp32_seconds"]
     assert onebit["speedup"] > 2
-    after = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert after == before
+    assert leftover_network_objects() == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("tc") or not shutil.which("ip"),
+                    reason="needs root, ip and tc for network namespaces")
+def test_link_bench_past_its_timeout_fails_with_the_ranks_stacks_and_leaves_nothing() -> None:
+    # 39 KB per step through an 8 kbit/s link: each step needs about 20 s.
+    with pytest.raises(RuntimeError, match="time limit") as failure:
+        link.run("tiny", ["none"], "8kbit", steps=5, timeout=20)
+    assert "in rank_main" in str(failure.value)  # the ranks' Python stacks
+    assert leftover_network_objects() == []
+    assert not [cmdline for cmdline in map(read_cmdline, Path("/proc").glob("[0-9]*"))
+                if "hvd_compress.bench.link" in cmdline]
+
+
+def read_cmdline(process: Path) -> str:
+    try:
+        return (process / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:  # the process ended meanwhile
+        return ""

@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="ranks, one per emulated host (default 2)")
     links.add_argument("--allreduce", choices=["ring", "default"], default="ring",
                        help="OpenMPI's ring all-reduce (default) or its default choice")
+    links.add_argument("--timeout", type=_positive_int, default=1800,
+                       help="seconds before the launch is aborted, with the state of its "
+                       "ranks and their Python stacks printed (default 1800)")
     return parser
 
 
@@ -140,7 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args.command == "link":
         link.rate_bits(args.rate)
         ring = args.allreduce == "ring"
-        rows = link.run(args.layers, args.schemes, args.rate, args.steps, ring, args.ranks)
+        rows = link.run(args.layers, args.schemes, args.rate, args.steps, ring, args.ranks,
+                        args.timeout)
         publish(link.title(args.ranks, args.rate, args.steps, ring), rows, link.COLUMNS,
                 link.TARGETS, args.json)
     else:

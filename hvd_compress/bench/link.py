@@ -17,15 +17,17 @@ deleted after it, and traffic stays between them.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from hvd_compress.bench.report import Column, Row, field, optional_field
@@ -33,6 +35,10 @@ from hvd_compress.bench.report import Column, Row, field, optional_field
 RING_ALLREDUCE = ("--mca", "coll_tuned_use_dynamic_rules", "1",
                   "--mca", "coll_tuned_allreduce_algorithm", "4")
 """OpenMPI's ring all-reduce, as the demo and the README launch with."""
+NO_TOPOLOGY_SHMEM = ("--mca", "rtc_hwloc_vmhole", "none")
+"""Daemons do not publish their hwloc topology in shared memory: two of them doing so on
+one machine crashed one now and then (a segfault in ``hwloc_shmem_topology_write``), and a
+daemon that dies before it reports leaves ``mpirun`` waiting for ever."""
 LINK_SCHEMES = ("none", "fp16", "onebit", "qsgd:bits=4", "powersgd:rank=4,start_iter=0",
                 "topk:ratio=0.001")
 
@@ -67,57 +73,84 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
 
 
+def _kill_processes_in(namespace: str) -> None:
+    """SIGKILL whatever still runs in ``namespace`` (ranks and daemons of a launch that
+    timed out); deleting a namespace does not end its processes."""
+    pids = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True,
+                          text=True).stdout.split()
+    for pid in map(int, pids):
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 @contextmanager
 def emulated_hosts(count: int, rate: str) -> Iterator[list[str]]:
-    """``count`` namespaces on a bridge, links throttled to ``rate``; yields their
-    addresses (host ``i`` lives in namespace ``<prefix>-i``)."""
+    """``count`` namespaces joined by a bridge, each link throttled to ``rate``; yields
+    their addresses (host ``i`` lives in namespace ``hvdc-<tag>-i``).
+
+    The bridge lives in a namespace of its own (``hvdc-<tag>-sw``), so the hosts' traffic
+    never passes the machine's own firewall: with ``br_netfilter`` loaded and a
+    ``FORWARD`` policy of ``DROP`` (as Docker sets), a bridge in the root namespace would
+    silently drop it. The root namespace (where ``mpirun`` runs) joins the bridge through
+    an unthrottled link that carries only the launcher's control traffic.
+    """
     tag = f"{os.getpid() % 100000}"
     subnet = f"10.213.{os.getpid() % 200 + 20}"
-    bridge, namespaces, host_ends = f"hvdcb{tag}", [], []
+    switch, bridge, uplink = f"hvdc-{tag}-sw", "br0", f"hv{tag}up"
     burst = max(int(rate_bits(rate) / 8 / 250), 16 << 10)  # one 4 ms tick, at least 16 KiB
     tbf = ["tbf", "rate", rate, "burst", str(burst), "latency", "100ms"]
+    namespaces = [switch]
     try:
-        _ip("link", "add", bridge, "type", "bridge")
-        _ip("addr", "add", f"{subnet}.254/24", "dev", bridge)
-        _ip("link", "set", bridge, "up")
+        _ip("netns", "add", switch)
+        _ip("-n", switch, "link", "add", bridge, "type", "bridge")
+        _ip("-n", switch, "link", "set", bridge, "up")
+        _ip("link", "add", uplink, "type", "veth", "peer", "name", "root", "netns", switch)
+        _ip("-n", switch, "link", "set", "root", "master", bridge, "up")
+        _ip("addr", "add", f"{subnet}.254/24", "dev", uplink)
+        _ip("link", "set", uplink, "up")
         addresses = []
         for i in range(count):
-            ns, host_end, ns_end = f"hvdc-{tag}-{i}", f"hv{tag}h{i}", f"hv{tag}n{i}"
+            ns, port = f"hvdc-{tag}-{i}", f"host{i}"
             _ip("netns", "add", ns)
             namespaces.append(ns)
-            _ip("link", "add", host_end, "type", "veth", "peer", "name", ns_end)
-            host_ends.append(host_end)
-            _ip("link", "set", ns_end, "netns", ns)
-            _ip("link", "set", host_end, "master", bridge)
-            _ip("link", "set", host_end, "up")
-            _ip("-n", ns, "addr", "add", f"{subnet}.{i + 1}/24", "dev", ns_end)
-            _ip("-n", ns, "link", "set", ns_end, "up")
+            _ip("-n", switch, "link", "add", port, "type", "veth", "peer", "name", "eth0",
+                "netns", ns)
+            _ip("-n", switch, "link", "set", port, "master", bridge, "up")
+            _ip("-n", ns, "addr", "add", f"{subnet}.{i + 1}/24", "dev", "eth0")
+            _ip("-n", ns, "link", "set", "eth0", "up")
             _ip("-n", ns, "link", "set", "lo", "up")
-            subprocess.run(["tc", "qdisc", "add", "dev", host_end, "root", *tbf], check=True)
-            subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", ns_end,
-                            "root", *tbf], check=True)
+            for where, device in ((switch, port), (ns, "eth0")):
+                subprocess.run(["tc", "-n", where, "qdisc", "add", "dev", device, "root",
+                                *tbf], check=True, capture_output=True, text=True)
             addresses.append(f"{subnet}.{i + 1}")
         yield addresses
     finally:
-        for host_end in host_ends:
-            subprocess.run(["ip", "link", "del", host_end], capture_output=True)
         for ns in namespaces:
+            _kill_processes_in(ns)
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        subprocess.run(["ip", "link", "del", bridge], capture_output=True)
+        subprocess.run(["ip", "link", "del", uplink], capture_output=True)
 
 
 def _agent_script(directory: Path, addresses: Sequence[str]) -> Path:
-    """The ``plm_rsh_agent`` mpirun calls as ``agent HOST COMMAND...``."""
+    """The ``plm_rsh_agent`` mpirun calls as ``agent HOST COMMAND...``.
+
+    Each emulated host gets a ``TMPDIR`` of its own, as a real host has its own ``/tmp``:
+    OpenMPI's daemons keep their session directories there, named after the host name,
+    which all namespaces share.
+    """
     tag = f"{os.getpid() % 100000}"
-    cases = "\n".join(f'    {a}) ns=hvdc-{tag}-{i} ;;' for i, a in enumerate(addresses))
+    cases = []
+    for i, address in enumerate(addresses):
+        (directory / f"host{i}").mkdir()
+        cases.append(f'    {address}) ns=hvdc-{tag}-{i}; tmp={directory / f"host{i}"} ;;')
     script = directory / "netns-agent.sh"
     script.write_text(f"""#!/bin/sh
 host="$1"; shift
 case "$host" in
-{cases}
+{chr(10).join(cases)}
     *) echo "unknown emulated host $host" >&2; exit 1 ;;
 esac
-exec ip netns exec "$ns" sh -c "$*"
+exec ip netns exec "$ns" env TMPDIR="$tmp" sh -c "$*"
 """)
     script.chmod(0o755)
     return script
@@ -126,21 +159,30 @@ exec ip netns exec "$ns" sh -c "$*"
 def run(layers: str, schemes: Sequence[str], rate: str, steps: int, ring: bool = True,
         ranks: int = 2, timeout: float = 1800) -> list[Row]:
     """Launch the ranks on emulated hosts; returns one row per scheme. ``ring=False``
-    leaves the all-reduce algorithm to OpenMPI's default choice."""
+    leaves the all-reduce algorithm to OpenMPI's default choice.
+
+    A launch still running after ``timeout`` seconds is aborted by ``mpirun --timeout``,
+    which prints the state of its daemons and ranks; each rank writes its Python stacks to
+    a file shortly before that (a file, because the throttled link may still be busy).
+    Both appear in the error raised.
+    """
     if os.geteuid() != 0:
         raise SystemExit("the link benchmark needs root (network namespaces and tc)")
     root = str(Path(__file__).resolve().parents[2])
     with tempfile.TemporaryDirectory(prefix="hvdc-link-") as tmp, \
             emulated_hosts(ranks, rate) as addresses:
         subnet = addresses[0].rsplit(".", 1)[0] + ".0/24"
-        out = Path(tmp) / "rows.json"
+        out, log = Path(tmp) / "rows.json", Path(tmp) / "mpirun.log"
         env = dict(os.environ, OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="3")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]])
+        mpi_timeout = max(int(timeout), 10)
         cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
                "-np", str(ranks), "--host", ",".join(f"{a}:1" for a in addresses),
+               "--timeout", str(mpi_timeout), "--report-state-on-timeout",
                "--mca", "plm_rsh_agent", str(_agent_script(Path(tmp), addresses)),
                "--mca", "plm_rsh_no_tree_spawn", "1", "--mca", "routed", "direct",
+               *NO_TOPOLOGY_SHMEM,
                "--mca", "oob_tcp_if_include", subnet, "--mca", "btl", "self,tcp",
                "--mca", "btl_tcp_if_include", subnet,
                *(RING_ALLREDUCE if ring else ()),
@@ -148,12 +190,25 @@ def run(layers: str, schemes: Sequence[str], rate: str, steps: int, ring: bool =
                "-x", "TF_CPP_MIN_LOG_LEVEL",
                sys.executable, "-m", "hvd_compress.bench.link", "--out", str(out),
                "--layers", layers, "--steps", str(steps), "--rate", rate,
+               "--stacks-at", str(time.time() + mpi_timeout - min(5, mpi_timeout / 2)),
+               "--stacks-dir", tmp,
                "--schemes", *schemes]
-        done = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True,
-                              timeout=timeout)
-        if done.returncode != 0 or not out.exists():
-            raise RuntimeError(f"link benchmark ranks failed ({done.returncode}):\n"
-                               f"{done.stdout[-4000:]}\n{done.stderr[-4000:]}")
+        with log.open("w") as sink:
+            proc = subprocess.Popen(cmd, env=env, cwd=root, stdin=subprocess.DEVNULL,
+                                    stdout=sink, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            try:
+                returncode = proc.wait(timeout=mpi_timeout + 30)
+            except subprocess.TimeoutExpired:  # mpirun itself did not end the job
+                os.killpg(proc.pid, signal.SIGKILL)
+                returncode = proc.wait()
+        if returncode != 0 or not out.exists():
+            stacks = "".join(f"\n{path.stem}:\n{path.read_text()}"
+                             for path in sorted(Path(tmp).glob("stacks-rank*.txt"))
+                             if path.stat().st_size)
+            raise RuntimeError(f"link benchmark ranks failed (mpirun exit code {returncode}"
+                               f", timeout {mpi_timeout} s); mpirun's output:\n"
+                               f"{log.read_text()[-8000:]}{stacks[-8000:]}")
         rows = json.loads(out.read_text())
         for row in rows:
             row["allreduce"] = "ring" if ring else "openmpi-default"
@@ -168,7 +223,13 @@ def rank_main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--rate", required=True)
     parser.add_argument("--schemes", nargs="+", required=True)
+    parser.add_argument("--stacks-at", type=float, required=True,
+                        help="write every thread's Python stack at this time.time()")
+    parser.add_argument("--stacks-dir", type=Path, required=True,
+                        help="into stacks-rank<N>.txt in this directory")
     args = parser.parse_args(argv)
+    stacks = (args.stacks_dir / f"stacks-rank{os.environ['OMPI_COMM_WORLD_RANK']}.txt").open("w")
+    faulthandler.dump_traceback_later(max(args.stacks_at - time.time(), 0.1), file=stacks)
 
     import horovod.torch as hvd
     import torch
@@ -203,6 +264,8 @@ def rank_main(argv: Sequence[str] | None = None) -> None:
         row["speedup"] = None if base is None else base / row["step_seconds"]
     if hvd.rank() == 0:
         args.out.write_text(json.dumps(rows, indent=2))
+    faulthandler.cancel_dump_traceback_later()
+    stacks.close()
 
 
 if __name__ == "__main__":
