@@ -30,6 +30,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
+from hvd_compress.bench.launch import run_mpirun
 from hvd_compress.bench.report import Column, Row, field, optional_field
 
 RING_ALLREDUCE = ("--mca", "coll_tuned_use_dynamic_rules", "1",
@@ -168,40 +169,24 @@ def run(layers: str, schemes: Sequence[str], rate: str, steps: int, ring: bool =
     """
     if os.geteuid() != 0:
         raise SystemExit("the link benchmark needs root (network namespaces and tc)")
-    root = str(Path(__file__).resolve().parents[2])
     with tempfile.TemporaryDirectory(prefix="hvdc-link-") as tmp, \
             emulated_hosts(ranks, rate) as addresses:
         subnet = addresses[0].rsplit(".", 1)[0] + ".0/24"
         out, log = Path(tmp) / "rows.json", Path(tmp) / "mpirun.log"
-        env = dict(os.environ, OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="3")
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]])
         mpi_timeout = max(int(timeout), 10)
-        cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
-               "-np", str(ranks), "--host", ",".join(f"{a}:1" for a in addresses),
-               "--timeout", str(mpi_timeout), "--report-state-on-timeout",
-               "--mca", "plm_rsh_agent", str(_agent_script(Path(tmp), addresses)),
-               "--mca", "plm_rsh_no_tree_spawn", "1", "--mca", "routed", "direct",
-               *NO_TOPOLOGY_SHMEM,
-               "--mca", "oob_tcp_if_include", subnet, "--mca", "btl", "self,tcp",
-               "--mca", "btl_tcp_if_include", subnet,
-               *(RING_ALLREDUCE if ring else ()),
-               "-x", "PATH", "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS",
-               "-x", "TF_CPP_MIN_LOG_LEVEL",
-               sys.executable, "-m", "hvd_compress.bench.link", "--out", str(out),
-               "--layers", layers, "--steps", str(steps), "--rate", rate,
-               "--stacks-at", str(time.time() + mpi_timeout - min(5, mpi_timeout / 2)),
-               "--stacks-dir", tmp,
-               "--schemes", *schemes]
-        with log.open("w") as sink:
-            proc = subprocess.Popen(cmd, env=env, cwd=root, stdin=subprocess.DEVNULL,
-                                    stdout=sink, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-            try:
-                returncode = proc.wait(timeout=mpi_timeout + 30)
-            except subprocess.TimeoutExpired:  # mpirun itself did not end the job
-                os.killpg(proc.pid, signal.SIGKILL)
-                returncode = proc.wait()
+        returncode = run_mpirun(
+            ["-np", str(ranks), "--host", ",".join(f"{a}:1" for a in addresses),
+             "--mca", "plm_rsh_agent", str(_agent_script(Path(tmp), addresses)),
+             "--mca", "plm_rsh_no_tree_spawn", "1", "--mca", "routed", "direct",
+             *NO_TOPOLOGY_SHMEM,
+             "--mca", "oob_tcp_if_include", subnet, "--mca", "btl", "self,tcp",
+             "--mca", "btl_tcp_if_include", subnet,
+             *(RING_ALLREDUCE if ring else ()),
+             sys.executable, "-m", "hvd_compress.bench.link", "--out", str(out),
+             "--layers", layers, "--steps", str(steps), "--rate", rate,
+             "--stacks-at", str(time.time() + mpi_timeout - min(5, mpi_timeout / 2)),
+             "--stacks-dir", tmp, "--schemes", *schemes],
+            mpi_timeout, log)
         if returncode != 0 or not out.exists():
             stacks = "".join(f"\n{path.stem}:\n{path.read_text()}"
                              for path in sorted(Path(tmp).glob("stacks-rank*.txt"))
