@@ -189,8 +189,9 @@ def test_ps_bench_rows_count_the_pushed_pairs(tmp_path: Path) -> None:
     rows = run_bench(tmp_path, "ps", "--workers", "2,3", "--shards", "2", "--numel", "64K",
                      "--density", "0.05", "--rounds", "2")
     assert [(r["transport"], r["shards"], r["workers"]) for r in rows] == [
-        ("in-process", 1, 2), ("in-process", 1, 3), ("grpc", 2, 2), ("grpc, no work", 2, 2),
-        ("grpc", 2, 3), ("grpc, no work", 2, 3)]
+        ("in-process", 1, 2), ("in-process", 1, 3),
+        ("grpc", 2, 2), ("grpc, no work", 2, 2), ("mpi", 2, 2),
+        ("grpc", 2, 3), ("grpc, no work", 2, 3), ("mpi", 2, 3)]
     for row in rows:
         pairs = row["workers"] * int(0.05 * 65536) * row["rounds"]
         assert row["pairs_per_round"] * row["rounds"] == pairs

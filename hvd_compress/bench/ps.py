@@ -1,11 +1,9 @@
 """Parameter-server aggregation throughput: (index, value) pairs summed per second.
 
-Two measurements per (shards, workers) pair, both on one sparse tensor of ``numel``
-elements where each simulated worker pushes ``density * numel`` random pairs (fp32 values,
-delta+varint indices) per round, for ``rounds`` rounds:
-
-Each measurement runs one untimed warm-up round first (it registers the tensor and
-connects).
+Every measurement uses one sparse tensor of ``numel`` elements where each simulated worker
+pushes ``density * numel`` random pairs (fp32 values, delta+varint indices) per round, for
+``rounds`` timed rounds after one untimed warm-up round (it registers the tensor and
+connects). Per (shards, workers) pair, over each transport:
 
 * ``grpc``: real server processes (``python -m ps_server``, one per shard, on loopback)
   and one client thread per worker sending pre-encoded frames over gRPC: push, then pull
@@ -17,6 +15,11 @@ connects).
   (:mod:`hvd_compress.bench.null_server`: same gRPC settings; pushes answered unread,
   pulls at once with a payload the size of the real aggregate): what gRPC alone can move
   on this machine, measured beside each ``grpc`` row.
+* ``mpi``: one MPMD ``mpirun`` on this machine (OpenMPI's default transports, shared
+  memory here): one worker rank per simulated worker sending the same pre-encoded frames
+  through :meth:`~hvd_compress.comm.ps_client.MPIPSClient.exchange`, and one
+  ``python -m ps_server --transport mpi`` rank per shard. Worker 0 times the rounds between
+  two barriers of the workers, and reads the server ranks' CPU seconds.
 * ``in-process``: the same frames through one shard's request handling
   (:class:`ps_server.service.ShardService`: decode, hold, sum at the close, encode the
   aggregate once) called directly on one thread: the aggregation code without transport.
@@ -24,7 +27,8 @@ connects).
 
 from __future__ import annotations
 
-import os
+import argparse
+import json
 import re
 import subprocess
 import sys
@@ -37,8 +41,10 @@ from pathlib import Path
 import numpy as np
 import psutil
 
+from hvd_compress.bench.launch import process_env, run_mpirun
 from hvd_compress.bench.report import Column, Row, Target, field, optional_field
-from hvd_compress.comm.ps_client import GRPC_SERVICE, shard_bounds
+from hvd_compress.comm.base import poll_until
+from hvd_compress.comm.ps_client import GRPC_SERVICE, MPIPSClient, shard_bounds
 from hvd_compress.sparse_wire import SERVER_ID, Kind, decode_frame, encode_frame
 from ps_server.service import ShardService
 from ps_server.store import ShardStore, sum_pushes
@@ -58,7 +64,7 @@ COLUMNS = [
     Column("M pairs per server cpu s", optional_field("mpairs_per_server_cpu_s", "{:.2f}")),
 ]
 TARGETS = [Target({"transport": t}, "mpairs_per_s_per_server", ">=", 50.0)
-           for t in ("grpc", "in-process")]
+           for t in ("grpc", "mpi", "in-process")]
 
 
 def title(numel: int, density: float, rounds: int) -> str:
@@ -67,30 +73,33 @@ def title(numel: int, density: float, rounds: int) -> str:
             f"workers per second, per server process)")
 
 
-def make_frames(workers: int, shards: int, numel: int, density: float, rounds: int,
-                seed: int = 0) -> tuple[list[list[list[bytes]]], list[list[list[bytes]]]]:
-    """``pushes[w][r][s]`` and ``pulls[w][r][s]``: encoded frames for every worker, round
-    and shard (random supports, different per worker and round)."""
-    rng = np.random.default_rng(seed)
+def worker_frames(worker: int, shards: int, numel: int, density: float, rounds: int,
+                  seed: int = 0) -> tuple[list[list[bytes]], list[list[bytes]]]:
+    """``pushes[r][s]`` and ``pulls[r][s]``: one worker's encoded frames for every round
+    and shard (random supports, drawn from a generator seeded with ``(seed, worker)``)."""
+    rng = np.random.default_rng([seed, worker])
     k = max(1, int(density * numel))
     bounds = shard_bounds(numel, shards)
     pushes, pulls = [], []
-    for w in range(workers):
-        worker_pushes, worker_pulls = [], []
-        for r in range(rounds):
-            idx = np.sort(rng.choice(numel, k, replace=False))
-            val = rng.standard_normal(k).astype(np.float32)
-            cuts = np.searchsorted(idx, bounds)
-            worker_pushes.append([
-                encode_frame(Kind.PUSH, TENSOR, s, shards, r, w, bounds[s + 1] - bounds[s],
-                             idx[cuts[s]:cuts[s + 1]] - bounds[s], val[cuts[s]:cuts[s + 1]])
-                for s in range(shards)])
-            worker_pulls.append([
-                encode_frame(Kind.PULL, TENSOR, s, shards, r, w, bounds[s + 1] - bounds[s])
-                for s in range(shards)])
-        pushes.append(worker_pushes)
-        pulls.append(worker_pulls)
+    for r in range(rounds):
+        idx = np.sort(rng.choice(numel, k, replace=False))
+        val = rng.standard_normal(k).astype(np.float32)
+        cuts = np.searchsorted(idx, bounds)
+        pushes.append([
+            encode_frame(Kind.PUSH, TENSOR, s, shards, r, worker, bounds[s + 1] - bounds[s],
+                         idx[cuts[s]:cuts[s + 1]] - bounds[s], val[cuts[s]:cuts[s + 1]])
+            for s in range(shards)])
+        pulls.append([
+            encode_frame(Kind.PULL, TENSOR, s, shards, r, worker, bounds[s + 1] - bounds[s])
+            for s in range(shards)])
     return pushes, pulls
+
+
+def make_frames(workers: int, shards: int, numel: int, density: float, rounds: int,
+                seed: int = 0) -> tuple[list[list[list[bytes]]], list[list[list[bytes]]]]:
+    """``pushes[w][r][s]`` and ``pulls[w][r][s]``: :func:`worker_frames` of every worker."""
+    frames = [worker_frames(w, shards, numel, density, rounds, seed) for w in range(workers)]
+    return [pushes for pushes, _ in frames], [pulls for _, pulls in frames]
 
 
 def _row(transport: str, shards: int, workers: int, pairs_per_round: int, rounds: int,
@@ -133,9 +142,7 @@ class _Servers:
         self.dir = tempfile.TemporaryDirectory(prefix="hvdc-bench-ps-")
         self.procs: list[subprocess.Popen[bytes]] = []
         self.addresses: list[str] = []
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+        env = process_env()
         try:
             for s, command in enumerate(commands):
                 log = Path(self.dir.name) / f"shard{s}.log"
@@ -251,6 +258,64 @@ def measure_grpc(shards: int, workers: int, numel: int, density: float, rounds: 
                 rounds, seconds, cpu)
 
 
+def measure_mpi(shards: int, workers: int, numel: int, density: float, rounds: int,
+                timeout: int = 900) -> Row:
+    """Server ranks of one MPMD ``mpirun`` (see the module docstring)."""
+    with tempfile.TemporaryDirectory(prefix="hvdc-bench-ps-mpi-") as tmp:
+        out, log = Path(tmp) / "timing.json", Path(tmp) / "mpirun.log"
+        returncode = run_mpirun(
+            ["-np", str(workers), sys.executable, "-m", "hvd_compress.bench.ps",
+             "--out", str(out), "--shards", str(shards), "--numel", str(numel),
+             "--density", str(density), "--rounds", str(rounds),
+             ":", "-np", str(shards), sys.executable, "-m", "ps_server", "--transport", "mpi",
+             "--workers", str(workers), "--deadline", "600"],
+            timeout, log)
+        if returncode != 0 or not out.exists():
+            raise RuntimeError(f"the MPI measurement failed (mpirun exit code {returncode})"
+                               f"; its output:\n{log.read_text()[-8000:]}")
+        timing = json.loads(out.read_text())
+    k = max(1, int(density * numel))
+    return _row("mpi", shards, workers, workers * k, rounds, timing["seconds"],
+                timing["server_cpu_seconds"])
+
+
+def mpi_worker_main(argv: Sequence[str] | None = None) -> None:
+    """One simulated worker rank of :func:`measure_mpi`: pre-encoded frames through
+    :meth:`MPIPSClient.exchange`; worker 0 times the rounds and the server ranks' CPU
+    (its siblings under ``mpirun``) and writes them to ``--out``."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    for name in ("--shards", "--numel", "--rounds"):
+        parser.add_argument(name, type=int, required=True)
+    parser.add_argument("--density", type=float, required=True)
+    args = parser.parse_args(argv)
+
+    client = MPIPSClient()
+    pushes, pulls = worker_frames(client.worker, args.shards, args.numel, args.density,
+                                  1 + args.rounds)
+    servers = [p for p in psutil.Process().parent().children()
+               if "ps_server" in p.cmdline()] if client.worker == 0 else []
+
+    def cpu_seconds() -> float:
+        return sum(t.user + t.system for t in (p.cpu_times() for p in servers))
+
+    def all_workers_here() -> None:  # a blocking barrier would spin a core
+        request = client.comm.Ibarrier()
+        poll_until(request.Test)
+
+    for r in range(1 + args.rounds):  # round 0 warms up, untimed
+        if r == 1:
+            all_workers_here()
+            cpu_before, start = cpu_seconds(), time.perf_counter()
+        client.exchange(TENSOR, r, "push", pushes[r])
+        client.exchange(TENSOR, r, "pull", pulls[r])
+    all_workers_here()
+    if client.worker == 0:
+        args.out.write_text(json.dumps({"seconds": time.perf_counter() - start,
+                                        "server_cpu_seconds": cpu_seconds() - cpu_before}))
+    client.close()
+
+
 def run(workers_list: Sequence[int], shards_list: Sequence[int], numel: int,
         density: float, rounds: int) -> list[Row]:
     rows = [measure_in_process(w, numel, density, rounds) for w in workers_list]
@@ -258,4 +323,9 @@ def run(workers_list: Sequence[int], shards_list: Sequence[int], numel: int,
         for w in workers_list:  # side by side: the server, then the transport alone
             rows.append(measure_grpc(s, w, numel, density, rounds))
             rows.append(measure_grpc(s, w, numel, density, rounds, transport_only=True))
+            rows.append(measure_mpi(s, w, numel, density, rounds))
     return rows
+
+
+if __name__ == "__main__":
+    mpi_worker_main()

@@ -336,12 +336,15 @@ class MPIPSClient(_ShardedClient):
         self.addresses = [f"mpi rank {r}" for r in self.servers]
 
     def _send_pushes(self, pending: PendingRound) -> None:
-        self._round_trip(pending.tensor, pending.round, "push", pending.pushes)
+        self.exchange(pending.tensor, pending.round, "push", pending.pushes)
 
     def _pull(self, pending: PendingRound) -> list[bytes]:
-        return self._round_trip(pending.tensor, pending.round, "pull", pending.pulls)
+        return self.exchange(pending.tensor, pending.round, "pull", pending.pulls)
 
-    def _round_trip(self, tensor: str, round: int, op: str, frames: list[bytes]) -> list[bytes]:
+    def exchange(self, tensor: str, round: int, op: str, frames: list[bytes]) -> list[bytes]:
+        """Send ``op`` (``"push"`` or ``"pull"``) with one encoded frame per shard to every
+        server at once; return the replies' payloads in shard order, or raise
+        :class:`PSError` naming ``tensor`` and ``round`` for the first shard that refused."""
         sends = [self.world.isend((op, frame), dest=rank, tag=MPI_REQUEST_TAG)
                  for rank, frame in zip(self.servers, frames)]
         replies = []
