@@ -16,12 +16,33 @@ import logging
 import time
 from typing import Any
 
+from hvd_compress.comm.base import poll_until
 from hvd_compress.comm.ps_client import MPI_REPLY_TAG, MPI_REQUEST_TAG
 from hvd_compress.sparse_wire import Frame
 from ps_server.service import ShardService
 from ps_server.store import RequestError
 
 log = logging.getLogger("ps_server")
+
+
+class _Replies:
+    """Replies in flight. A blocking send of an aggregate waits for its worker to post the
+    receive (MPI's rendezvous for large messages), so replies to several workers would go
+    out one wake-up at a time; these are non-blocking sends, completed as the loop runs."""
+
+    def __init__(self, world: Any) -> None:
+        self.world = world
+        self.in_flight: list[Any] = []
+
+    def send(self, dest: int, code: str, payload: Any) -> None:
+        self.in_flight.append(self.world.isend((code, payload), dest=dest, tag=MPI_REPLY_TAG))
+        self.in_flight = [request for request in self.in_flight if not request.Test()]
+
+    def finish(self) -> None:
+        """Wait (politely) until every reply has been received."""
+        for request in self.in_flight:
+            poll_until(request.Test)
+        self.in_flight = []
 
 
 def serve(service: ShardService, world: Any, workers: list[int], max_idle_sleep: float = 2e-4
@@ -31,19 +52,21 @@ def serve(service: ShardService, world: Any, workers: list[int], max_idle_sleep:
     While idle, the loop polls with a sleep growing from 10 µs to ``max_idle_sleep`` (a
     blocking probe would spin a core the workers on the host need, and every request may
     wait up to that long), and checks deadlines and parked pulls at most every 20 ms.
+    Replies are sent without blocking (see :class:`_Replies`).
     """
     from mpi4py import MPI
 
     worker_of = {rank: w for w, rank in enumerate(workers)}
     active = set(workers)
     parked: list[tuple[int, Frame]] = []
+    replies = _Replies(world)
     status = MPI.Status()
     idle, next_tick = 0.0, 0.0
     while active:
         if not world.Iprobe(source=MPI.ANY_SOURCE, tag=MPI_REQUEST_TAG, status=status):
             if time.monotonic() >= next_tick:
                 service.tick()
-                parked = _answer_parked(service, world, parked)
+                parked = _answer_parked(service, replies, parked)
                 next_tick = time.monotonic() + 0.02
             idle = min(max(2 * idle, 1e-5), max_idle_sleep)
             time.sleep(idle)
@@ -62,19 +85,19 @@ def serve(service: ShardService, world: Any, workers: list[int], max_idle_sleep:
             continue
         try:
             if op == "push":
-                reply: tuple[str, Any] = ("OK", service.push(payload, peer, worker_of[source]))
-                world.send(reply, dest=source, tag=MPI_REPLY_TAG)
-                parked = _answer_parked(service, world, parked)
+                replies.send(source, "OK", service.push(payload, peer, worker_of[source]))
+                parked = _answer_parked(service, replies, parked)
                 continue
             if op != "pull":
                 raise RequestError(f"unknown MPI request {op!r}; expected push, pull or bye")
             parked.append((source, service.decode_pull(payload, peer, worker_of[source])))
-            parked = _answer_parked(service, world, parked)
+            parked = _answer_parked(service, replies, parked)
         except RequestError as err:
-            world.send((err.code, str(err)), dest=source, tag=MPI_REPLY_TAG)
+            replies.send(source, err.code, str(err))
+    replies.finish()
 
 
-def _answer_parked(service: ShardService, world: Any, parked: list[tuple[int, Frame]]
+def _answer_parked(service: ShardService, replies: _Replies, parked: list[tuple[int, Frame]]
                    ) -> list[tuple[int, Frame]]:
     """Reply to every parked pull whose round has finished; keep the others."""
     waiting = []
@@ -82,10 +105,10 @@ def _answer_parked(service: ShardService, world: Any, parked: list[tuple[int, Fr
         try:
             result = service.try_pull(frame, f"mpi rank {source}")
         except RequestError as err:
-            world.send((err.code, str(err)), dest=source, tag=MPI_REPLY_TAG)
+            replies.send(source, err.code, str(err))
             continue
         if result is None:
             waiting.append((source, frame))
         else:
-            world.send(("OK", result), dest=source, tag=MPI_REPLY_TAG)
+            replies.send(source, "OK", result)
     return waiting
