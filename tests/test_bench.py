@@ -203,13 +203,11 @@ def test_ps_bench_rows_count_the_pushed_pairs(tmp_path: Path) -> None:
 
 
 def leftover_network_objects() -> list[str]:
-    """Namespaces and root-namespace links of this process's emulated hosts (named with
-    its pid, as :func:`hvd_compress.bench.link.emulated_hosts` names them)."""
+    """Namespaces and root-namespace links of this process's emulated hosts."""
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
     links = subprocess.run(["ip", "-br", "link"], capture_output=True, text=True)
     names = [line.split()[0] for line in (namespaces.stdout + links.stdout).splitlines()]
-    tag = str(os.getpid() % 100000)
-    return [name for name in names if name.startswith((f"hvdc-{tag}-", f"hv{tag}"))]
+    return [name for name in names if name.startswith(link.network_name_prefixes())]
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("tc") or not shutil.which("ip"),

@@ -84,20 +84,32 @@ def _kill_processes_in(namespace: str) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+def network_name_prefixes() -> tuple[str, str]:
+    """The prefixes of the names of every namespace (``hvdc-<pid>-``) and root-namespace
+    link (``hv<pid>``) that :func:`emulated_hosts` creates in this process."""
+    tag = f"{os.getpid() % 100000}"
+    return f"hvdc-{tag}-", f"hv{tag}"
+
+
+def host_namespace(i: int) -> str:
+    """The namespace of emulated host ``i``."""
+    return f"{network_name_prefixes()[0]}{i}"
+
+
 @contextmanager
 def emulated_hosts(count: int, rate: str) -> Iterator[list[str]]:
     """``count`` namespaces joined by a bridge, each link throttled to ``rate``; yields
-    their addresses (host ``i`` lives in namespace ``hvdc-<tag>-i``).
+    their addresses (host ``i`` lives in namespace :func:`host_namespace` ``(i)``).
 
-    The bridge lives in a namespace of its own (``hvdc-<tag>-sw``), so the hosts' traffic
+    The bridge lives in a namespace of its own (``hvdc-<pid>-sw``), so the hosts' traffic
     never passes the machine's own firewall: with ``br_netfilter`` loaded and a
     ``FORWARD`` policy of ``DROP`` (as Docker sets), a bridge in the root namespace would
     silently drop it. The root namespace (where ``mpirun`` runs) joins the bridge through
     an unthrottled link that carries only the launcher's control traffic.
     """
-    tag = f"{os.getpid() % 100000}"
+    namespace_prefix, link_prefix = network_name_prefixes()
     subnet = f"10.213.{os.getpid() % 200 + 20}"
-    switch, bridge, uplink = f"hvdc-{tag}-sw", "br0", f"hv{tag}up"
+    switch, bridge, uplink = f"{namespace_prefix}sw", "br0", f"{link_prefix}up"
     burst = max(int(rate_bits(rate) / 8 / 250), 16 << 10)  # one 4 ms tick, at least 16 KiB
     tbf = ["tbf", "rate", rate, "burst", str(burst), "latency", "100ms"]
     namespaces = [switch]
@@ -111,7 +123,7 @@ def emulated_hosts(count: int, rate: str) -> Iterator[list[str]]:
         _ip("link", "set", uplink, "up")
         addresses = []
         for i in range(count):
-            ns, port = f"hvdc-{tag}-{i}", f"host{i}"
+            ns, port = host_namespace(i), f"host{i}"
             _ip("netns", "add", ns)
             namespaces.append(ns)
             _ip("-n", switch, "link", "add", port, "type", "veth", "peer", "name", "eth0",
@@ -139,11 +151,10 @@ def _agent_script(directory: Path, addresses: Sequence[str]) -> Path:
     OpenMPI's daemons keep their session directories there, named after the host name,
     which all namespaces share.
     """
-    tag = f"{os.getpid() % 100000}"
     cases = []
     for i, address in enumerate(addresses):
         (directory / f"host{i}").mkdir()
-        cases.append(f'    {address}) ns=hvdc-{tag}-{i}; tmp={directory / f"host{i}"} ;;')
+        cases.append(f'    {address}) ns={host_namespace(i)}; tmp={directory / f"host{i}"} ;;')
     script = directory / "netns-agent.sh"
     script.write_text(f"""#!/bin/sh
 host="$1"; shift
