@@ -3,28 +3,78 @@
 Per tensor and step::
 
     gradient -> policy (compress or send dense) -> add residual -> scheme.exchange
-             -> [collective rounds, started asynchronously, named hvdc.<tensor>.<round>]
+             -> [collective rounds: a bucket's requests of one round fused, started
+                 asynchronously]
              -> aggregate -> check finite on every rank -> commit residual and state
              -> average -> gradient for the optimizer
 
-:meth:`Pipeline.submit` runs a tensor up to its first collective and returns at once (the
-optimizer calls it from backward hooks, so communication overlaps the rest of the backward
-pass). :meth:`Pipeline.wait` drives every submitted exchange to the end, round by round:
-all first rounds are waited on before any second round is awaited, and each round is
-started as soon as its input is known.
+Buckets and fused rounds
+------------------------
+Every Horovod collective costs a negotiation with Horovod's coordinator and its own
+latency, whatever its size; on a slow, high-latency or CPU-starved cluster that, not the
+bytes, dominates the step of a model with many tensors. PyTorch DDP's ``powerSGD_hook``
+therefore flattens all ``P`` matrices of a bucket into one all-reduce and all ``Q`` matrices
+into another. The pipeline does the same for every scheme, in this one place: schemes still
+yield one request per round (:mod:`hvd_compress.comm.ops`) and never see the fusion.
+
+1. :meth:`Pipeline.plan` lists the tensors in the order their gradients are expected to
+   become ready (backward order). Consecutive tensors form buckets of at most
+   ``bucket_bytes`` float32 bytes; a larger tensor is a bucket of its own
+   (:func:`assign_buckets`, DDP's assignment). Tensors that no plan names (a plan-less
+   :meth:`Pipeline.reduce`) are bucketed the same way when :meth:`Pipeline.wait` is
+   called, in sorted-name order.
+2. :meth:`Pipeline.submit` runs a tensor's exchange up to its first request. Once every
+   member of a planned bucket has been submitted, the bucket's first *phase* starts, so the
+   last layers' bucket is in flight while backward still runs for the first layers.
+3. Phase ``k`` of a bucket is its members' ``k``-th requests. Those of the same kind, dtype
+   and device travel as one collective (:func:`fusion_key`, :func:`fuse`): all-reduces are
+   concatenated (a dense bias's ``dense`` round and PowerSGD's ``P`` share one, as in DDP),
+   all-gathers with known ``sizes`` are concatenated and their results cut per rank,
+   all-to-alls are concatenated per destination. A :class:`~hvd_compress.comm.ops.SparseSum`
+   (its communicator may send it to a parameter server keyed by the tensor) and a
+   self-delimiting all-gather (``sizes=None``) travel alone, as does a request that is the
+   only one of its kind in the phase. Members whose exchange has ended drop out of later
+   phases.
+4. :meth:`Pipeline.wait` starts the buckets not yet started, then drives all of them phase
+   by phase, in launch order: it waits on a phase's collectives, hands every member its
+   slice (:func:`split_result`), which runs the member's exchange to its next request, and
+   starts the bucket's next phase at once. It waits only on started collectives, and each
+   rank starts phase ``k + 1`` of a bucket as soon as phase ``k`` is done, so ranks whose
+   backward passes completed the buckets in different orders cannot deadlock.
+
+Fusion changes no result: an all-reduce sums each element over the same ranks whether its
+neighbours in the buffer belong to its own tensor or to another. On
+:class:`~hvd_compress.comm.threads.ThreadGroup` fused and unfused aggregates are bit for bit
+identical; under Horovod they differ only by the summation order of its ring, which depends
+on an element's position in the buffer (Horovod's own tensor fusion does the same). The cost
+is one copy of each request into the fused buffer; the results are views of the fused
+result, without a copy.
+
+Collective names
+----------------
+Horovod matches collectives by name, so names are deterministic and identical on every
+rank: ``hvdc.b<bucket>.<phase>.<kind>.<digest>`` for a fused collective, where ``<digest>``
+hashes the members' names, round names and sizes and the dtype, and
+``hvdc.<tensor>.<round>`` for a request travelling alone. Names are unique within a step
+and repeat from step to step, as Horovod's own names do (that keeps Horovod's response
+cache and the TensorFlow binding's traced graphs valid). Ranks that disagree on a bucket's
+content (different plans, a tensor submitted on one rank only, another shape) start
+different names: Horovod's stall warning then lists them (a ``ThreadGroup`` raises a
+``TimeoutError`` naming them) instead of ranks summing misaligned slices.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Mapping
+import hashlib
+from collections import Counter, defaultdict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from hvd_compress.comm.base import Communicator
-from hvd_compress.comm.ops import Collective, nbytes
+from hvd_compress.comm.ops import AllGather, AllReduce, AllToAll, Collective, nbytes
 from hvd_compress.errors import NonFiniteGradientError
 from hvd_compress.feedback import ErrorFeedback
 from hvd_compress.policy import Policy
@@ -32,7 +82,12 @@ from hvd_compress.schemes.base import Exchange, ExchangeContext, Outcome, Scheme
 from hvd_compress.schemes.dense import NoCompression
 
 STATE_VERSION = 1
+DEFAULT_BUCKET_BYTES = 64 << 20
+"""64 MiB, Horovod's default fusion threshold (``HOROVOD_FUSION_THRESHOLD``)."""
 _DENSE = NoCompression()
+
+Result = torch.Tensor | list[torch.Tensor]
+T = TypeVar("T")
 
 
 @dataclass
@@ -41,8 +96,10 @@ class StepStats:
 
     ``payload_bytes``: encoded size of this rank's gradients (what a ring all-reduce would
     circulate; the wire-saving ratio is ``dense_bytes / payload_bytes``). ``dense_bytes``:
-    the same gradients as float32. ``collective_bytes``: bytes handed to each round's
-    collective, by round name (``dense``, ``fp16``, ``scatter``, ``gather``, ``P``, ``Q``...).
+    the same gradients as float32. ``collective_bytes``: bytes of each tensor's requests,
+    by round name (``dense``, ``fp16``, ``scatter``, ``gather``, ``P``, ``Q``...), counted
+    per tensor whether or not the request travelled fused with others. ``collectives``:
+    collectives started (a fused one counts once), i.e. Horovod negotiations.
     """
 
     payload_bytes: int = 0
@@ -50,6 +107,7 @@ class StepStats:
     collective_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     compressed_tensors: int = 0
     dense_tensors: int = 0
+    collectives: int = 0
 
     @property
     def ratio(self) -> float:
@@ -60,19 +118,206 @@ class StepStats:
         self.dense_bytes += other.dense_bytes
         self.compressed_tensors += other.compressed_tensors
         self.dense_tensors += other.dense_tensors
+        self.collectives += other.collectives
         for key, value in other.collective_bytes.items():
             self.collective_bytes[key] += value
 
 
+# Buckets and fusion -------------------------------------------------------------------------
+def assign_buckets(names: Sequence[str], numels: Sequence[int],
+                   bucket_bytes: int | None) -> list[list[str]]:
+    """Cut ``names`` (in order) into consecutive buckets of at most ``bucket_bytes`` float32
+    bytes (``4 * numel`` each), as DDP assigns parameters to buckets.
+
+    A tensor that does not fit in the current bucket starts the next one; a tensor larger
+    than ``bucket_bytes`` is a bucket of its own. ``None`` or 0: a single bucket.
+    """
+    buckets: list[list[str]] = []
+    current: list[str] = []
+    filled = 0
+    for name, numel in zip(names, numels, strict=True):
+        size = 4 * int(numel)
+        if current and bucket_bytes and filled + size > bucket_bytes:
+            buckets.append(current)
+            current, filled = [], 0
+        current.append(name)
+        filled += size
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def fusion_key(request: Collective) -> tuple[str, torch.dtype, torch.device] | None:
+    """Requests with equal keys may travel as one collective; ``None``: never fused.
+
+    :class:`~hvd_compress.comm.ops.SparseSum` is not fused (its communicator may send it to
+    a parameter server that keys rounds by tensor), nor is a self-delimiting
+    :class:`~hvd_compress.comm.ops.AllGather` (``sizes=None``: there is no way to tell
+    where one member's part of a rank's bytes ends).
+    """
+    if isinstance(request, AllReduce):
+        kind = "allreduce"
+    elif isinstance(request, AllGather) and request.sizes is not None:
+        kind = "allgather"
+    elif isinstance(request, AllToAll):
+        kind = "alltoall"
+    else:
+        return None
+    return kind, request.tensor.dtype, request.tensor.device
+
+
+def fused_name(bucket: int, phase: int, names: Sequence[str],
+               requests: Sequence[Collective]) -> str:
+    """``hvdc.b<bucket>.<phase>.<kind>.<digest>``: the same on every rank that agrees on
+    the members, their rounds and sizes (not a device index, which differs between ranks)."""
+    key = fusion_key(requests[0])
+    assert key is not None
+    digest = hashlib.blake2b(digest_size=4)
+    digest.update(str(key[1]).encode())
+    for name, request in zip(names, requests, strict=True):
+        if isinstance(request, AllToAll):  # sizes are checked when the result arrives
+            extent: Any = len(request.splits)
+        elif isinstance(request, AllGather):
+            extent = request.sizes
+        else:
+            extent = request.tensor.numel()
+        digest.update(f"\0{name}\0{request.round}\0{extent}".encode())
+    return f"hvdc.b{bucket}.{phase}.{key[0]}.{digest.hexdigest()}"
+
+
+def _all(requests: Sequence[Collective], kind: type[T]) -> list[T]:
+    """``requests`` typed as their (common) kind."""
+    typed = [r for r in requests if isinstance(r, kind)]
+    assert len(typed) == len(requests), f"mixed requests in one fused group: {requests}"
+    return typed
+
+
+def fuse(requests: Sequence[Collective], rank: int, size: int, where: str) -> Collective:
+    """One request carrying all of ``requests`` (equal :func:`fusion_key`), in order.
+
+    * :class:`AllReduce`: the flattened tensors concatenated.
+    * :class:`AllGather`: the flat tensors concatenated; rank ``r`` contributes
+      ``sum(req.sizes[r])`` elements.
+    * :class:`AllToAll`: for each destination ``r``, every member's split ``r`` in turn;
+      ``splits[r]`` is the members' total for ``r``.
+
+    The fused request's round is the members' distinct round names joined by ``+``.
+    Raises :class:`RuntimeError` naming ``where`` if a member's sizes do not describe its
+    own tensor (a scheme bug the unfused path would have hit in the collective).
+    """
+    round_name = "+".join(dict.fromkeys(r.round for r in requests))
+    if isinstance(requests[0], AllReduce):
+        reduces = _all(requests, AllReduce)
+        return AllReduce(round_name, torch.cat([r.tensor.reshape(-1) for r in reduces]))
+    if isinstance(requests[0], AllGather):
+        gathers = _all(requests, AllGather)
+        known: list[tuple[int, ...]] = []
+        for r in gathers:
+            if r.sizes is None or len(r.sizes) != size or r.sizes[rank] != r.tensor.numel():
+                raise RuntimeError(f"{where}: all-gather round {r.round!r} has "
+                                   f"{r.tensor.numel()} elements on rank {rank} but sizes "
+                                   f"{r.sizes} for {size} ranks")
+            known.append(r.sizes)
+        sizes = tuple(sum(s[k] for s in known) for k in range(size))
+        return AllGather(round_name, torch.cat([r.tensor.reshape(-1) for r in gathers]), sizes)
+    scatters = _all(requests, AllToAll)
+    pieces = []
+    for r in scatters:
+        if len(r.splits) != size or sum(r.splits) != r.tensor.numel():
+            raise RuntimeError(f"{where}: all-to-all round {r.round!r} has "
+                               f"{r.tensor.numel()} elements but splits {list(r.splits)} for "
+                               f"{size} ranks")
+        pieces.append(torch.split(r.tensor.reshape(-1), list(r.splits)))
+    tensor = torch.cat([p[dest] for dest in range(size) for p in pieces])
+    splits = tuple(sum(r.splits[dest] for r in scatters) for dest in range(size))
+    return AllToAll(round_name, tensor, splits)
+
+
+def split_result(requests: Sequence[Collective], result: Result, rank: int, size: int,
+                 where: str) -> list[Result]:
+    """Cut the result of :func:`fuse`'s request back into one result per member, each in
+    the form its own request documents (views of ``result``, no copies).
+
+    For :class:`AllToAll` this relies on its contract (:mod:`hvd_compress.comm.ops`): every
+    sender uses the same ``splits``, so member ``m``'s piece from any source has
+    ``m.splits[rank]`` elements. A source whose total differs raises :class:`RuntimeError`
+    naming ``where`` instead of cutting wrongly. (A sender that divided the same total
+    among the members differently cannot be told apart by sizes alone; the contract rules
+    it out.)
+    """
+    if isinstance(requests[0], AllReduce):
+        assert isinstance(result, torch.Tensor)
+        reduces = _all(requests, AllReduce)
+        numels = [r.tensor.numel() for r in reduces]
+        flat = result.reshape(-1)
+        if flat.numel() != sum(numels):
+            raise RuntimeError(f"{where}: the fused all-reduce returned {flat.numel()} "
+                               f"elements, expected {sum(numels)}")
+        return [piece.view(r.tensor.shape) for piece, r in zip(torch.split(flat, numels),
+                                                                reduces)]
+    assert isinstance(result, list)
+    if len(result) != size:
+        raise RuntimeError(f"{where}: the fused collective returned {len(result)} parts for "
+                           f"{size} ranks")
+    if isinstance(requests[0], AllGather):
+        known = [r.sizes for r in _all(requests, AllGather) if r.sizes is not None]
+        lengths = [[s[source] for s in known] for source in range(size)]
+        what = "gathered from"
+    else:
+        mine = [r.splits[rank] for r in _all(requests, AllToAll)]
+        lengths = [mine] * size
+        what = "received from"
+    parts = []
+    for source, (piece, expected) in enumerate(zip(result, lengths)):
+        if piece.numel() != sum(expected):
+            raise RuntimeError(
+                f"{where}: rank {rank} {what} rank {source} {piece.numel()} elements, but the "
+                f"members expect {sum(expected)} ({expected} per tensor). AllToAll splits and "
+                "AllGather sizes must be the same on every rank (a function of what every "
+                "rank knows, such as the shape) for requests to be fused; see "
+                "hvd_compress.comm.ops")
+        parts.append(torch.split(piece.reshape(-1), expected))
+    return [[parts[source][i] for source in range(size)] for i in range(len(requests))]
+
+
+# The pipeline -------------------------------------------------------------------------------
 @dataclass
 class _InFlight:
+    """One tensor's exchange in this step."""
+
     name: str
     grad: torch.Tensor
     x: torch.Tensor
     scheme: Scheme
     exchange: Exchange
-    handle: Any = None
+    request: Collective | None = None  # yielded by the exchange, not yet started
     outcome: Outcome | None = None
+
+
+@dataclass
+class _Group:
+    """One started collective and the members whose requests it carries, in order."""
+
+    name: str
+    members: list[_InFlight]
+    requests: list[Collective]
+    handle: Any
+
+
+@dataclass
+class _Bucket:
+    """A bucket in this step: its members (in plan order once launched) and its current
+    phase's collectives."""
+
+    index: int
+    expected: int  # members the plan names
+    members: list[_InFlight] = field(default_factory=list)
+    phase: int = 0
+    groups: list[_Group] = field(default_factory=list)
+    launched: bool = False
+
+    def describe(self) -> str:
+        return f"bucket {self.index} phase {self.phase}"
 
 
 class Pipeline:
@@ -82,33 +327,54 @@ class Pipeline:
         scheme: the compression scheme (see :class:`hvd_compress.Compression`).
         comm: the communicator (Horovod's, or a :class:`~hvd_compress.comm.threads.ThreadGroup`
             rank in tests).
-        policy: which tensors are compressed; the rest go as a plain all-reduce.
-        average: divide the sum by the number of ranks.
+        policy: which tensors are compressed; the rest go as a plain all-reduce (default
+            :class:`~hvd_compress.policy.Policy`: at least 1024 elements, 2-D or more).
+        average: divide the sum by the number of ranks (default ``True``).
         prescale: divide inputs by this before communicating and multiply results by it
             after (Horovod's ``gradient_predivide_factor``: keeps float16 sums in range).
-        seed: base of every random stream (stochastic rounding, PowerSGD's first ``Q``).
+            Default 1.
+        seed: base of every random stream (stochastic rounding, PowerSGD's first ``Q``);
+            the same on every rank. Default 0.
+        bucket_bytes: the most float32 gradient bytes whose requests share collectives
+            (see the module docstring). Default 64 MiB, Horovod's default fusion threshold.
+            Larger buckets mean fewer collectives (fewer negotiations and latencies per
+            step); smaller ones let the first buckets travel earlier while backward still
+            runs. ``None`` or 0: one bucket for the step, started only once every planned
+            tensor has been submitted. A tiny value (1) gives one collective per tensor and
+            round, the behaviour without fusion.
     """
 
     def __init__(self, scheme: Scheme, comm: Communicator, policy: Policy | None = None,
-                 average: bool = True, prescale: float = 1.0, seed: int = 0) -> None:
+                 average: bool = True, prescale: float = 1.0, seed: int = 0,
+                 bucket_bytes: int | None = DEFAULT_BUCKET_BYTES) -> None:
         if prescale <= 0:
             raise ValueError(f"prescale must be positive, got {prescale}")
+        if bucket_bytes is not None and bucket_bytes < 0:
+            raise ValueError(f"bucket_bytes must be >= 0 or None, got {bucket_bytes}")
         self.scheme = scheme
         self.comm = comm
         self.policy = policy if policy is not None else Policy()
         self.average = average
         self.prescale = prescale
         self.seed = seed
+        self.bucket_bytes = bucket_bytes or None
         self.feedback = ErrorFeedback()
         self._scheme_state: dict[str, dict[str, torch.Tensor]] = {}
         self._steps: dict[str, int] = defaultdict(int)
         self._routes: dict[tuple[str, torch.Size], Scheme] = {}
+        self._plan: list[list[str]] = []
+        self._position: dict[str, tuple[int, int]] = {}  # name -> (bucket, place in it)
+        # This step:
         self._inflight: dict[str, _InFlight] = {}
+        self._open: dict[int, _Bucket] = {}  # planned buckets with a submitted member
+        self._unplanned: list[_InFlight] = []
+        self._launched: list[_Bucket] = []
+        self._failure: BaseException | None = None
         self._current = StepStats()
         self.last_step = StepStats()
         self.total = StepStats()
 
-    # Routing -------------------------------------------------------------------------------
+    # Routing and planning ------------------------------------------------------------------
     def route(self, name: str, shape: torch.Size) -> Scheme:
         """The scheme a tensor of this name and shape travels with (cached)."""
         key = (name, shape)
@@ -119,13 +385,48 @@ class Pipeline:
             self._routes[key] = scheme
         return scheme
 
+    def plan(self, names: Sequence[str], numels: Sequence[int]) -> list[list[str]]:
+        """Declare the tensors in the order their gradients are expected to become ready;
+        return the buckets (:func:`assign_buckets` with ``bucket_bytes``).
+
+        The plan must be the same on every rank. It replaces any earlier plan and holds for
+        every following step. A bucket's first round starts as soon as all its members are
+        submitted; a bucket some of whose members were not submitted starts at
+        :meth:`wait` with those that were (every rank must submit the same tensors).
+        """
+        if self._inflight:
+            raise RuntimeError("cannot change the plan while exchanges are in flight; call "
+                               "wait() first")
+        names, numels = list(names), [int(n) for n in numels]
+        if len(names) != len(numels):
+            raise ValueError(f"plan: {len(names)} names but {len(numels)} element counts")
+        duplicates = sorted(n for n, count in Counter(names).items() if count > 1)
+        if duplicates:
+            raise ValueError(f"plan: tensor names must be unique; duplicated: {duplicates}")
+        if any(n < 0 for n in numels):
+            raise ValueError(f"plan: element counts must be >= 0, got {numels}")
+        self._plan = assign_buckets(names, numels, self.bucket_bytes)
+        self._position = {name: (b, i) for b, members in enumerate(self._plan)
+                          for i, name in enumerate(members)}
+        return self.buckets
+
+    @property
+    def buckets(self) -> list[list[str]]:
+        """The planned buckets' tensor names, in plan order."""
+        return [list(members) for members in self._plan]
+
     # Submitting and waiting ----------------------------------------------------------------
     @property
     def pending(self) -> bool:
         return bool(self._inflight)
 
     def submit(self, name: str, grad: torch.Tensor) -> None:
-        """Start ``grad``'s exchange; it runs up to its first collective and returns."""
+        """Run ``grad``'s exchange up to its first request and return; start its bucket's
+        first round if ``grad`` completes a planned bucket.
+
+        If the exchange or a start fails, the error propagates and the whole step fails:
+        :meth:`wait` then raises and no tensor's state changes.
+        """
         if name in self._inflight:
             raise RuntimeError(f"tensor {name!r} was submitted twice in one step; call wait() "
                                "between steps (is the same name used for two tensors?)")
@@ -144,27 +445,53 @@ class Pipeline:
         exchange = scheme.exchange(x, self._scheme_state.get(name, {}), ctx)
         flight = _InFlight(name, grad, x, scheme, exchange)
         self._inflight[name] = flight
-        if grad.numel() == 0:  # nothing to send; every rank agrees since shapes agree
-            exchange.close()
-            flight.outcome = Outcome(torch.zeros_like(x), None, 0)
-            return
-        self._advance(flight, None)
+        try:
+            if grad.numel() == 0:  # nothing to send; every rank agrees since shapes agree
+                exchange.close()
+                flight.outcome = Outcome(torch.zeros_like(x), None, 0)
+            else:
+                self._advance(flight, None)
+            self._place(flight)
+        except BaseException as exc:
+            if self._failure is None:
+                self._failure = exc
+            raise
 
     def wait(self) -> dict[str, torch.Tensor]:
         """Finish every submitted exchange; return each tensor's aggregate.
 
-        Aggregates have the gradient's shape and dtype and are averaged when ``average``.
-        If any aggregate is non-finite, raises :class:`NonFiniteGradientError` on every rank
-        and keeps all residuals and scheme state as they were before the step.
+        Starts the buckets not started yet (planned ones in plan order, then the tensors no
+        plan names), then drives every bucket phase by phase. Aggregates have the gradient's
+        shape and dtype and are averaged when ``average``. If any aggregate is non-finite,
+        raises :class:`NonFiniteGradientError` on every rank and keeps all residuals and
+        scheme state as they were before the step; any other failure (an exchange raising,
+        a collective failing) also leaves them unchanged.
         """
         flights = list(self._inflight.values())
         try:
-            while any(f.outcome is None for f in flights):
-                for flight in flights:
-                    if flight.outcome is None:
-                        self._advance(flight, self.comm.wait(flight.handle))
+            if self._failure is not None:
+                raise RuntimeError(f"this step failed while its tensors were submitted "
+                                   f"({self._failure!r}); no compression state was "
+                                   "changed") from self._failure
+            for index in sorted(self._open):
+                if not self._open[index].launched:
+                    self._launch(self._open[index])
+            self._launch_unplanned()
+            active = [b for b in self._launched if b.groups]
+            while active:
+                for bucket in active:
+                    self._finish_phase(bucket)
+                active = [b for b in active if b.groups]
+            assert all(f.outcome is not None for f in flights)
+        except BaseException:
+            self._current = StepStats()
+            raise
         finally:
             self._inflight.clear()
+            self._open.clear()
+            self._unplanned.clear()
+            self._launched.clear()
+            self._failure = None
         try:
             self._check_finite(flights)
         except NonFiniteGradientError:
@@ -173,19 +500,101 @@ class Pipeline:
         return self._commit(flights)
 
     def reduce(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Submit every tensor, then wait: one step's exchange outside an optimizer."""
+        """Submit every tensor, then wait: one step's exchange outside an optimizer.
+
+        Without a plan the tensors are bucketed by sorted name when :meth:`wait` runs.
+        """
         for name, tensor in tensors.items():
             self.submit(name, tensor)
         return self.wait()
 
     def _advance(self, flight: _InFlight, result: Any) -> None:
+        """Run the exchange to its next request (kept to be started) or to its end."""
         try:
-            op: Collective = flight.exchange.send(result)
+            flight.request = flight.exchange.send(result)
         except StopIteration as done:
-            flight.outcome = done.value
+            flight.request, flight.outcome = None, done.value
+
+    def _place(self, flight: _InFlight) -> None:
+        position = self._position.get(flight.name)
+        if position is None:
+            self._unplanned.append(flight)
             return
-        self._current.collective_bytes[op.round] += nbytes(op)
-        flight.handle = self.comm.start(f"hvdc.{flight.name}.{op.round}", op)
+        index = position[0]
+        bucket = self._open.get(index)
+        if bucket is None:
+            bucket = self._open[index] = _Bucket(index, len(self._plan[index]))
+        bucket.members.append(flight)
+        if len(bucket.members) == bucket.expected:
+            self._launch(bucket)
+
+    def _launch_unplanned(self) -> None:
+        flights = sorted(self._unplanned, key=lambda f: f.name)
+        by_name = {f.name: f for f in flights}
+        names = assign_buckets(list(by_name), [f.grad.numel() for f in flights],
+                               self.bucket_bytes)
+        for i, members in enumerate(names):
+            bucket = _Bucket(len(self._plan) + i, len(members), [by_name[n] for n in members])
+            self._launch(bucket)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        bucket.members.sort(key=lambda f: self._position.get(f.name, (0, 0)))
+        bucket.launched = True
+        self._launched.append(bucket)
+        self._start_phase(bucket)
+
+    def _start_phase(self, bucket: _Bucket) -> None:
+        """Start the collectives of the bucket's current phase: one per fusion key (in the
+        order of each key's first member), one per request that is never fused."""
+        members: list[list[_InFlight]] = []
+        by_key: dict[Any, list[_InFlight]] = {}
+        for flight in bucket.members:
+            if flight.request is None:
+                continue  # exchange finished
+            key = fusion_key(flight.request)
+            if key is None:
+                members.append([flight])
+            elif key in by_key:
+                by_key[key].append(flight)
+            else:
+                by_key[key] = [flight]
+                members.append(by_key[key])
+        bucket.groups = [self._start(bucket, group) for group in members]
+
+    def _start(self, bucket: _Bucket, members: list[_InFlight]) -> _Group:
+        requests: list[Collective] = []
+        for flight in members:
+            assert flight.request is not None
+            requests.append(flight.request)
+            self._current.collective_bytes[flight.request.round] += nbytes(flight.request)
+            flight.request = None
+        names = [f.name for f in members]
+        if len(members) == 1:
+            name, op = f"hvdc.{names[0]}.{requests[0].round}", requests[0]
+        else:
+            name = fused_name(bucket.index, bucket.phase, names, requests)
+            op = fuse(requests, self.comm.rank, self.comm.size,
+                      f"{bucket.describe()} ({name}, tensors {names})")
+        handle = self.comm.start(name, op)
+        self._current.collectives += 1
+        return _Group(name, members, requests, handle)
+
+    def _finish_phase(self, bucket: _Bucket) -> None:
+        """Wait on the bucket's current collectives, advance their members, start the next
+        phase."""
+        for group in bucket.groups:
+            result = self.comm.wait(group.handle)
+            if len(group.members) == 1:
+                parts = [result]
+            else:
+                where = (f"{bucket.describe()} ({group.name}, tensors "
+                         f"{[f.name for f in group.members]})")
+                parts = split_result(group.requests, result, self.comm.rank, self.comm.size,
+                                     where)
+            for flight, part in zip(group.members, parts, strict=True):
+                self._advance(flight, part)
+        bucket.phase += 1
+        self._start_phase(bucket)
 
     def _check_finite(self, flights: list[_InFlight]) -> None:
         if not flights:

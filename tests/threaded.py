@@ -4,20 +4,52 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
+
+import torch
 
 from hvd_compress import Pipeline, Policy
+from hvd_compress.comm.base import Communicator
+from hvd_compress.comm.ops import Collective
 from hvd_compress.comm.threads import ThreadGroup
+from hvd_compress.pipeline import DEFAULT_BUCKET_BYTES
 from hvd_compress.schemes.base import Scheme
 
 T = TypeVar("T")
 
 
+class RecordingCommunicator:
+    """Wraps a communicator and records the name and request of every ``start``."""
+
+    def __init__(self, inner: Communicator) -> None:
+        self.inner = inner
+        self.rank, self.size = inner.rank, inner.size
+        self.started: list[tuple[str, Collective]] = []
+
+    @property
+    def names(self) -> list[str]:
+        return [name for name, _ in self.started]
+
+    def start(self, name: str, op: Collective) -> Any:
+        self.started.append((name, op))
+        return self.inner.start(name, op)
+
+    def wait(self, handle: Any) -> torch.Tensor | list[torch.Tensor]:
+        return self.inner.wait(handle)
+
+
 def make_pipelines(scheme: Scheme, size: int, policy: Policy | None = None,
-                   average: bool = False, timeout: float = 30) -> list[Pipeline]:
+                   average: bool = False, timeout: float = 30,
+                   bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+                   record: bool = False) -> list[Pipeline]:
+    """One pipeline per rank of a new :class:`ThreadGroup`. ``record``: each pipeline's
+    ``comm`` is a :class:`RecordingCommunicator`."""
     group = ThreadGroup(size, timeout=timeout)
     policy = policy or Policy(min_numel=1, compress_1d=True)
-    return [Pipeline(scheme, group.communicator(r), policy, average=average)
+    comms: list[Any] = [group.communicator(r) for r in range(size)]
+    if record:
+        comms = [RecordingCommunicator(c) for c in comms]
+    return [Pipeline(scheme, comms[r], policy, average=average, bucket_bytes=bucket_bytes)
             for r in range(size)]
 
 

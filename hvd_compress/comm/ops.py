@@ -1,10 +1,14 @@
 """What a scheme asks to have communicated.
 
 A scheme's :meth:`~hvd_compress.schemes.base.Scheme.exchange` is a generator: it yields one
-of these requests per communication round and receives the result. The pipeline names each
-round ``hvdc.<tensor>.<round>`` (deterministic, identical on every rank, which is how
-Horovod matches collectives), starts it asynchronously and counts its bytes, so codecs never
-call a collective themselves and run unchanged in one process.
+of these requests per communication round and receives the result. The pipeline
+(:mod:`hvd_compress.pipeline`) names, starts, counts and waits on them, so codecs never call
+a collective themselves and run unchanged in one process. It also fuses the requests of one
+round of several tensors of a bucket into one collective (concatenated, then cut back): what
+makes that possible is stated, per request type, as its *fusion contract* below. Names are
+deterministic and identical on every rank, which is how Horovod matches collectives:
+``hvdc.<tensor>.<round>`` for a request travelling alone,
+``hvdc.b<bucket>.<phase>.<kind>.<digest>`` for a fused one.
 """
 
 from __future__ import annotations
@@ -20,7 +24,12 @@ from hvd_compress.sparse_wire import ValueDType, pairs_nbytes
 
 @dataclass(frozen=True)
 class AllReduce:
-    """Element-wise **sum** over ranks of a dense tensor. Result: a tensor of the same shape."""
+    """Element-wise **sum** over ranks of a dense tensor. Result: a tensor of the same shape.
+
+    Fusion contract: none beyond a shape known to every rank. Requests of one dtype and
+    device share one all-reduce, whatever their round names (a bias's ``dense`` and
+    PowerSGD's ``P``, as in DDP's ``powerSGD_hook``); each gets its slice back, in its shape.
+    """
 
     round: str
     tensor: torch.Tensor
@@ -33,6 +42,10 @@ class AllGather:
     Result: a list with one tensor per rank. ``sizes`` gives each rank's element count when
     the scheme knows it (fixed-rate codecs); otherwise every rank's payload must be
     self-delimiting and the result is a one-element list holding the concatenation.
+
+    Fusion contract: ``sizes`` is the same on every rank and this rank's tensor has
+    ``sizes[rank]`` elements; rank ``r``'s part of a fused all-gather is then cut per tensor
+    by each one's ``sizes[r]``. A request with ``sizes=None`` is never fused.
     """
 
     round: str
@@ -45,6 +58,15 @@ class AllToAll:
     """Send ``splits[r]`` consecutive elements of a flat tensor to rank ``r``.
 
     Result: a list with the tensor received from each rank, in rank order.
+
+    Fusion contract: ``splits`` is the same on every sender, a function of what every rank
+    knows (the compressed all-reduce sends chunk ``r``'s payload to rank ``r``, and payload
+    sizes follow from the shape), so what rank ``r`` receives from any source has
+    ``splits[r]`` elements. A fused all-to-all sends, to each rank ``r``, every tensor's
+    split ``r`` in turn, and cuts what arrives from each source by the tensors'
+    ``splits[rank]``; a source whose total differs raises a ``RuntimeError`` naming the
+    bucket and tensors rather than cutting wrongly. A request alone in its group is sent as
+    it is, for which any splits work.
     """
 
     round: str
@@ -61,6 +83,9 @@ class SparseSum:
     fp32. A ring cannot sum these; the communicator sends the pairs as frames of
     :mod:`hvd_compress.sparse_wire`, either gathered by every rank (Horovod ``allgather``)
     or to a parameter server.
+
+    Never fused: every sparse sum is its own collective, named after its tensor (the
+    parameter server keeps rounds per tensor and shards by the tensor's index range).
     """
 
     round: str
