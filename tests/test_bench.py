@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hvd_compress import Compression
-from hvd_compress.bench import SCHEMES, SPARSE_SCHEMES, link
+from hvd_compress.bench import SCHEMES, SPARSE_SCHEMES, hosts, link
 from hvd_compress.bench.cli import main
 from hvd_compress.bench.kernels import KERNEL_SCHEMES, make_kernel, parse_count
 from hvd_compress.bench.wire_bytes import LAYER_SETS
@@ -207,7 +207,7 @@ def leftover_network_objects() -> list[str]:
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
     links = subprocess.run(["ip", "-br", "link"], capture_output=True, text=True)
     names = [line.split()[0] for line in (namespaces.stdout + links.stdout).splitlines()]
-    return [name for name in names if name.startswith(link.network_name_prefixes())]
+    return [name for name in names if name.startswith(hosts.network_name_prefixes())]
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("tc") or not shutil.which("ip"),
@@ -244,3 +244,39 @@ def environ(process: Path) -> bytes:
         return (process / "environ").read_bytes()
     except OSError:  # the process ended meanwhile
         return b""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("tc") or not shutil.which("ip"),
+                    reason="needs root, ip and tc for network namespaces")
+def test_cluster_bench_quick_trains_every_system_on_emulated_hosts(tmp_path: Path) -> None:
+    """The harness, not the speed-ups: every system trains on the emulated hosts, the
+    interfaces' counters see the bytes, the report files are written, nothing is left."""
+    assert main(["cluster", "--quick", "--out-dir", str(tmp_path), "--timeout", "300"]) == 0
+    rows = json.loads((tmp_path / "cluster.json").read_text())
+    got = {(r["system"], r["scheme"]) for r in rows}
+    assert got == {("ddp", "none"), ("ddp", "powersgd:rank=4,start_iter=2"),
+                   ("horovod", "none"), ("hvd-compress", "none"),
+                   ("hvd-compress", "powersgd:rank=4,start_iter=2"),
+                   ("hvd-compress", "topk:ratio=0.01@ps")}
+    by = {(r["system"], r["scheme"]): r for r in rows}
+    dense_bytes = 4 * by["horovod", "none"]["parameters"]
+    for row in rows:
+        assert row["replicas_agree"], row
+        assert row["link"] == "1gbit" and row["ranks"] == 2
+        assert len(row["step_times_s"]) == 3
+        assert 0 < row["step_s"] <= row["step_p90_s"] <= max(row["step_times_s"])
+        assert row["speedup"] == pytest.approx(by["horovod", "none"]["step_s"] / row["step_s"])
+    # A ring all-reduce of 2 ranks sends each rank's whole gradient once: the interface
+    # counters (headers included) see at least that, and compressed runs far less.
+    for system in ("ddp", "horovod", "hvd-compress"):
+        assert by[system, "none"]["tx_bytes_per_step"] >= dense_bytes
+        if system != "horovod":
+            powersgd = by[system, "powersgd:rank=4,start_iter=2"]
+            assert powersgd["tx_bytes_per_step"] < dense_bytes / 3
+    server = by["hvd-compress", "topk:ratio=0.01@ps"]
+    assert server["settings"]["ps"].startswith("grpc://")
+    assert server["tx_bytes_per_step"] < dense_bytes / 3
+    assert "| hvd-compress | `powersgd:rank=4,start_iter=2` |" in (
+        tmp_path / "cluster.md").read_text()
+    assert (tmp_path / "cluster-steps.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert leftover_network_objects() == []

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
 from hvd_compress import Compression, bench
-from hvd_compress.bench import kernels, link, ps, selection, wire_bytes
+from hvd_compress.bench import cluster, cluster_rank, kernels, link, ps, selection, wire_bytes
 from hvd_compress.bench.report import publish
 
 T = TypeVar("T")
@@ -104,7 +106,73 @@ def build_parser() -> argparse.ArgumentParser:
     links.add_argument("--timeout", type=_positive_int, default=1800,
                        help="seconds before the launch is aborted, with the state of its "
                        "ranks and their Python stacks printed (default 1800)")
+    clus = commands.add_parser("cluster", help="training step time of hvd-compress, PyTorch "
+                               "DDP and stock Horovod on an emulated cluster (root)")
+    clus.add_argument("--json", type=Path, help="write the rows to this file")
+    clus.add_argument("--out-dir", type=Path,
+                      help="write cluster.json, cluster.md and cluster-steps.png here")
+    clus.add_argument("--quick", action="store_true",
+                      help="a tiny model on 2 hosts at one rate, 3 steps: checks the harness "
+                      "in about a minute (the options below still apply when given)")
+    clus.add_argument("--ranks", type=_positive_int, help="worker hosts (default 4)")
+    clus.add_argument("--rates", type=_comma_list(_rate),
+                      help="link rates, comma-separated (default 100mbit,1gbit,10gbit)")
+    clus.add_argument("--latency-ms", type=float, default=0.0,
+                      help="one-way delay added to every host's traffic (default 0)")
+    clus.add_argument("--model", choices=sorted(cluster_rank.MODELS),
+                      help="the MLP trained (default mlp, 14.7 M parameters)")
+    clus.add_argument("--steps", type=_positive_int, help="timed steps (default 10)")
+    clus.add_argument("--warmup", type=int, help="untimed steps first (default 3)")
+    clus.add_argument("--schemes", type=_cluster_spec, nargs="*",
+                      help="hvd-compress schemes; SPEC@ps sends sparse pairs to a gRPC "
+                      f"server on its own host (default: {' '.join(cluster.DEFAULT_SCHEMES)})")
+    clus.add_argument("--ddp", nargs="*", choices=["none", "fp16"] + [
+        s for s in cluster.DDP_SCHEMES if s.startswith("powersgd")], metavar="SCHEME",
+        help="DDP configurations: none, fp16, powersgd:... (default: "
+             f"{' '.join(cluster.DDP_SCHEMES)})")
+    clus.add_argument("--horovod", nargs="*", choices=["none", "fp16"],
+                      help="stock Horovod configurations (default: none fp16)")
+    clus.add_argument("--controller", choices=["gloo", "mpi"], default="gloo",
+                      help="how Horovod runs: its Gloo controller (as horovodrun --gloo), or "
+                      "mpirun with OpenMPI's ring all-reduce (default gloo)")
+    clus.add_argument("--bucket-mb", type=float,
+                      help="hvd-compress's bucket size (default: the optimizer's)")
+    clus.add_argument("--timeout", type=_positive_int, default=1800,
+                      help="seconds before a launch is aborted (default 1800)")
     return parser
+
+
+def _rate(text: str) -> str:
+    link.rate_bits(text)
+    return text
+
+
+def _cluster_spec(text: str) -> str:
+    Compression.parse(text.removesuffix(cluster.SERVER_SUFFIX))
+    return text
+
+
+def _cluster(args: argparse.Namespace) -> None:
+    plan = cluster.Plan.quick() if args.quick else cluster.Plan()
+    given = {"ranks": args.ranks, "rates": args.rates, "model": args.model,
+             "steps": args.steps, "warmup": args.warmup, "schemes": args.schemes,
+             "ddp": args.ddp, "horovod": args.horovod, "bucket_mb": args.bucket_mb}
+    plan = dataclasses.replace(
+        plan, latency_ms=args.latency_ms, controller=args.controller, timeout=args.timeout,
+        progress=lambda text: print(text, file=sys.stderr, flush=True),
+        **{key: value for key, value in given.items() if value is not None})
+    rows = cluster.run(plan)
+    text = cluster.summary(rows)
+    print(text)
+    if args.json is not None:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+        print(f"\nwrote {len(rows)} rows to {args.json}")
+    if args.out_dir is not None:
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        (args.out_dir / "cluster.json").write_text(json.dumps(rows, indent=2) + "\n")
+        (args.out_dir / "cluster.md").write_text(text + "\n")
+        cluster.plot_steps(rows, args.out_dir / "cluster-steps.png")
+        print(f"wrote cluster.json, cluster.md and cluster-steps.png to {args.out_dir}")
 
 
 def _kernels(args: argparse.Namespace) -> None:
@@ -140,6 +208,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.json)
     elif args.command == "kernels":
         _kernels(args)
+    elif args.command == "cluster":
+        _cluster(args)
     elif args.command == "link":
         link.rate_bits(args.rate)
         ring = args.allreduce == "ring"

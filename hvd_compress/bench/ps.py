@@ -134,11 +134,12 @@ def measure_in_process(workers: int, numel: int, density: float, rounds: int) ->
     return _row("in-process", 1, workers, workers * k, rounds, seconds, None)
 
 
-class _Servers:
-    """One server process per command (``python -m <module> <args>``), on loopback ports,
-    each logging to a file."""
+class ServerProcesses:
+    """One server process per command (``python -m <module> <args>``), each logging to a
+    file; ``prefix`` goes before each command (``ip netns exec ...`` to start it on an
+    emulated host). ``addresses`` are the ones the servers said they serve on."""
 
-    def __init__(self, commands: list[list[str]]) -> None:
+    def __init__(self, commands: list[list[str]], prefix: Sequence[str] = ()) -> None:
         self.dir = tempfile.TemporaryDirectory(prefix="hvdc-bench-ps-")
         self.procs: list[subprocess.Popen[bytes]] = []
         self.addresses: list[str] = []
@@ -147,7 +148,8 @@ class _Servers:
             for s, command in enumerate(commands):
                 log = Path(self.dir.name) / f"shard{s}.log"
                 with log.open("wb") as out:
-                    self.procs.append(subprocess.Popen([sys.executable, "-m", *command],
+                    self.procs.append(subprocess.Popen([*prefix, sys.executable, "-m",
+                                                        *command],
                                                        stdout=out, stderr=subprocess.STDOUT,
                                                        env=env))
                 self.addresses.append(self._wait_ready(self.procs[-1], log))
@@ -209,7 +211,7 @@ def measure_grpc(shards: int, workers: int, numel: int, density: float, rounds: 
         commands = [["ps_server", "--bind", "127.0.0.1:0", "--workers", str(workers),
                      "--shard", f"{s}/{shards}", "--deadline", "600",
                      "--max-message-mb", "512"] for s in range(shards)]
-    servers = _Servers(commands)
+    servers = ServerProcesses(commands)
     options = [("grpc.max_send_message_length", 512 << 20),
                ("grpc.max_receive_message_length", 512 << 20)]
     channels = [[grpc.insecure_channel(a, options=options) for a in servers.addresses]

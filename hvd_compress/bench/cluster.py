@@ -1,0 +1,395 @@
+"""``bench cluster``: training step time of every system on an emulated cluster, side by side.
+
+For each link rate, :func:`hvd_compress.bench.hosts.emulated_hosts` makes one host per
+worker (plus one for the parameter server when a configuration uses it), and every system
+trains the same MLP on those hosts, one launch per system, one configuration after the
+other (:mod:`hvd_compress.bench.cluster_rank`):
+
+- PyTorch DDP on Gloo: no hook, ``fp16_compress_hook``, ``powerSGD_hook`` at the same rank
+  and start iteration as ours (one bucket: the default buckets deadlocked at 4 ranks);
+- stock Horovod: ``Compression.none`` and ``Compression.fp16``;
+- hvd-compress: each scheme given, sparse ones through Horovod ``allgather`` and, with
+  ``@ps`` after the spec, through a gRPC parameter server on its own host.
+
+Horovod-based systems run on Horovod's Gloo controller (ranks started on their hosts with
+the environment ``horovodrun --gloo`` gives them, and Horovod's own rendezvous server), or
+under ``mpirun`` with OpenMPI's ring all-reduce (``--controller mpi``). Each row holds the
+median and 90th-percentile step time of the timed steps, the bytes each host's interface
+sent per step (the kernel's counters, headers included), what the optimizer says it sent,
+whether the replicas ended identical, and the speed-up against uncompressed Horovod and
+against DDP with no hook on the same link, in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hvd_compress.bench.cluster_rank import MODELS, parameter_count
+from hvd_compress.bench.hosts import (
+    emulated_hosts,
+    host_command,
+    host_namespace,
+    launcher_address,
+    mpirun_host_args,
+    rate_bits,
+    require_root,
+)
+from hvd_compress.bench.launch import process_env, run_mpirun
+from hvd_compress.bench.link import RING_ALLREDUCE
+from hvd_compress.bench.report import Row
+
+SERVER_SUFFIX = "@ps"
+"""After a scheme spec: its sparse pairs go to a parameter server on a host of its own."""
+DEFAULT_RATES = ("100mbit", "1gbit", "10gbit")
+DEFAULT_SCHEMES = ("none", "fp16", "powersgd:rank=4,start_iter=2", "onebit",
+                   "topk:ratio=0.001", "topk:ratio=0.001@ps")
+DDP_SCHEMES = ("none", "fp16", "powersgd:rank=4,start_iter=2")
+HOROVOD_SCHEMES = ("none", "fp16")
+
+
+@dataclass
+class Plan:
+    """What one run of the benchmark measures."""
+
+    ranks: int = 4
+    rates: Sequence[str] = DEFAULT_RATES
+    latency_ms: float = 0.0
+    model: str = "mlp"
+    steps: int = 10
+    warmup: int = 3
+    schemes: Sequence[str] = DEFAULT_SCHEMES
+    ddp: Sequence[str] = DDP_SCHEMES
+    horovod: Sequence[str] = HOROVOD_SCHEMES
+    controller: str = "gloo"
+    bucket_mb: float | None = None
+    timeout: float = 1800
+    progress: Callable[[str], None] = field(default=lambda text: None)
+
+    @classmethod
+    def quick(cls) -> Plan:
+        """A tiny model on 2 hosts at 1 Gbit/s, 3 timed steps: checks the harness in
+        seconds."""
+        powersgd = "powersgd:rank=4,start_iter=2"
+        return cls(ranks=2, rates=("1gbit",), model="tiny", steps=3, warmup=2,
+                   schemes=("none", powersgd, "topk:ratio=0.01@ps"), ddp=("none", powersgd),
+                   horovod=("none",))
+
+    def systems(self) -> list[tuple[str, list[dict[str, Any]]]]:
+        ours = []
+        for spec in self.schemes:
+            scheme, server = (spec[:-len(SERVER_SUFFIX)], True) if spec.endswith(
+                SERVER_SUFFIX) else (spec, False)
+            ours.append({"scheme": scheme, "server": server, "bucket_mb": self.bucket_mb})
+        systems = [("ddp", [{"scheme": s} for s in self.ddp]),
+                   ("horovod", [{"scheme": s} for s in self.horovod]),
+                   ("hvd-compress", ours)]
+        return [(name, configs) for name, configs in systems if configs]
+
+    @property
+    def needs_server(self) -> bool:
+        return any(spec.endswith(SERVER_SUFFIX) for spec in self.schemes)
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+def _run_direct(commands: list[list[str]], timeout: float, directory: Path,
+                extra_env: dict[str, str] | None = None) -> None:
+    """Start one process per command, each in its own session; wait for all. The first to
+    fail, or the time limit, ends all the others; the error holds their output."""
+    env = dict(process_env(), **(extra_env or {}))
+    logs = [directory / f"rank{i}.log" for i in range(len(commands))]
+    procs = []
+    for command, log in zip(commands, logs):
+        with log.open("wb") as sink:
+            procs.append(subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL,
+                                          stdout=sink, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+    give_up = time.monotonic() + timeout
+    failed = None
+    try:
+        while any(p.poll() is None for p in procs):
+            failed = next((i for i, p in enumerate(procs)
+                           if p.poll() is not None and p.returncode != 0), None)
+            if failed is not None or time.monotonic() > give_up:
+                break
+            time.sleep(0.2)
+        else:
+            failed = next((i for i, p in enumerate(procs) if p.returncode != 0), None)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if failed is None and all(p.returncode == 0 for p in procs):
+        return
+    what = f"rank {failed} exited with {procs[failed].returncode}" if failed is not None \
+        else f"ranks still running after the time limit of {timeout:.0f} s"
+    output = "".join(f"\n--- rank {i}:\n{log.read_text(errors='replace')[-4000:]}"
+                     for i, log in enumerate(logs))
+    raise LaunchError(f"{what}{output}{_stacks(directory)}")
+
+
+def _stacks(directory: Path) -> str:
+    return "".join(f"\n{path.stem}:\n{path.read_text()[-4000:]}"
+                   for path in sorted(directory.glob("stacks-rank*.txt")) if path.stat().st_size)
+
+
+def _rank_argv(system: str, configs: list[dict[str, Any]], plan: Plan, directory: Path,
+               deadline: float) -> list[str]:
+    return [sys.executable, "-m", "hvd_compress.bench.cluster_rank", "--system", system,
+            "--configs", json.dumps(configs), "--model", plan.model,
+            "--steps", str(plan.steps), "--warmup", str(plan.warmup),
+            "--out", str(directory / "rows.json"), "--progress", str(directory / "progress"),
+            "--stacks-at", str(deadline), "--stacks-dir", str(directory)]
+
+
+def _launch(system: str, configs: list[dict[str, Any]], plan: Plan, addresses: list[str],
+            directory: Path, port: int) -> None:
+    """Run one system's configurations on the worker hosts ``addresses``."""
+    timeout = plan.timeout
+    argv = _rank_argv(system, configs, plan, directory, time.time() + timeout - 5)
+    n = len(addresses)
+    if system == "ddp":
+        commands = [host_command(i, argv, directory, addresses[i], {
+            "MASTER_ADDR": addresses[0], "MASTER_PORT": str(port), "RANK": str(i),
+            "WORLD_SIZE": str(n), "LOCAL_RANK": "0", "GLOO_SOCKET_IFNAME": "eth0"})
+            for i in range(n)]
+        _run_direct(commands, timeout, directory)
+    elif plan.controller == "gloo":
+        from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
+        from horovod.runner.gloo_run import create_run_env_vars, create_slot_env_vars
+        from horovod.runner.http.http_server import RendezvousServer
+
+        rendezvous = RendezvousServer()
+        rendezvous_port = rendezvous.start()
+        try:
+            slots = get_host_assignments(parse_hosts(",".join(f"{a}:1" for a in addresses)),
+                                         n)
+            rendezvous.init(slots)
+            common = create_run_env_vars(launcher_address(addresses), {"eth0"},
+                                         rendezvous_port)
+            commands = [host_command(i, argv, directory, addresses[i],
+                                     {**common, **create_slot_env_vars(slot)})
+                        for i, slot in enumerate(slots)]
+            _run_direct(commands, timeout, directory)
+        finally:
+            rendezvous.stop()
+    else:
+        code = run_mpirun([*mpirun_host_args(addresses, directory), *RING_ALLREDUCE, *argv],
+                          int(timeout), directory / "mpirun.log")
+        if code != 0:
+            raise LaunchError(f"mpirun exited with {code}:\n"
+                              f"{(directory / 'mpirun.log').read_text()[-8000:]}"
+                              f"{_stacks(directory)}")
+
+
+def _server(address: str, workers: int, host: int) -> Any:
+    from hvd_compress.bench.ps import ServerProcesses
+
+    return ServerProcesses([["ps_server", "--bind", f"{address}:7070", "--workers",
+                             str(workers), "--deadline", "600", "--max-message-mb", "512"]],
+                           prefix=["ip", "netns", "exec", host_namespace(host)])
+
+
+def measure_link(plan: Plan, rate: str) -> list[Row]:
+    """Every system's rows on one link rate."""
+    rows: list[Row] = []
+    hosts = plan.ranks + (1 if plan.needs_server else 0)
+    with emulated_hosts(hosts, rate, plan.latency_ms) as addresses:
+        workers = addresses[:plan.ranks]
+        servers = _server(addresses[-1], plan.ranks, plan.ranks) if plan.needs_server \
+            else None
+        try:
+            for index, (system, configs) in enumerate(plan.systems()):
+                for config in configs:
+                    if config.pop("server", False):
+                        assert servers is not None
+                        config["ps"] = f"grpc://{servers.addresses[0]}"
+                with tempfile.TemporaryDirectory(prefix="hvdc-cluster-") as tmp:
+                    directory = Path(tmp)
+                    plan.progress(f"[{rate}] {system}: starting {len(configs)} "
+                                  f"configuration(s) on {len(workers)} hosts")
+                    _launch_with_progress(system, configs, plan, workers, directory,
+                                          29400 + index, rate)
+                    got = json.loads((directory / "rows.json").read_text())
+                for row in got:
+                    row.update(system=system, link=rate, link_bits=rate_bits(rate),
+                               latency_ms=plan.latency_ms, ranks=plan.ranks, model=plan.model,
+                               parameters=parameter_count(MODELS[plan.model]),
+                               controller=None if system == "ddp" else plan.controller)
+                    if row.get("settings", {}).get("ps", "allgather") != "allgather":
+                        row["scheme"] += SERVER_SUFFIX
+                rows += got
+        finally:
+            if servers is not None:
+                servers.close()
+    add_speedups(rows)
+    return rows
+
+
+def _launch_with_progress(system: str, configs: list[dict[str, Any]], plan: Plan,
+                          workers: list[str], directory: Path, port: int, rate: str) -> None:
+    """:func:`_launch` on a thread while this one relays rank 0's latest step."""
+    import threading
+
+    failure: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            _launch(system, configs, plan, workers, directory, port)
+        except BaseException as exc:  # handed to the caller below
+            failure.append(exc)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    shown = ""
+    while thread.is_alive():
+        thread.join(1.0)
+        progress = directory / "progress"
+        text = progress.read_text() if progress.exists() else ""
+        if text and text != shown:
+            plan.progress(f"[{rate}] {system}: {text}")
+            shown = text
+    if failure:
+        raise failure[0]
+
+
+def add_speedups(rows: list[Row]) -> None:
+    """``speedup``: uncompressed Horovod's step time over the row's, on the same link;
+    ``speedup_vs_ddp``: the same against DDP with no hook."""
+    def base(system: str, link: str) -> float | None:
+        return next((r["step_s"] for r in rows if r["system"] == system
+                     and r["scheme"] == "none" and r["link"] == link), None)
+
+    for row in rows:
+        horovod, ddp = base("horovod", row["link"]), base("ddp", row["link"])
+        row["speedup"] = None if horovod is None else horovod / row["step_s"]
+        row["speedup_vs_ddp"] = None if ddp is None else ddp / row["step_s"]
+        row["bytes_per_step"] = row["tx_bytes_per_step"]
+        row["spread"] = row["step_p90_s"] / row["step_s"]
+
+
+def run(plan: Plan) -> list[Row]:
+    require_root("cluster")
+    for rate in plan.rates:
+        rate_bits(rate)
+    rows: list[Row] = []
+    for rate in plan.rates:
+        rows += measure_link(plan, rate)
+    return rows
+
+
+# Reporting ---------------------------------------------------------------------------------
+def label(row: Row) -> str:
+    return f"{row['system']} {row['scheme']}"
+
+
+def markdown(rows: Sequence[Row]) -> str:
+    """One line per (system, scheme); per link, median step (p90) and bytes per host."""
+    links = list(dict.fromkeys(r["link"] for r in rows))
+    keys = list(dict.fromkeys((r["system"], r["scheme"]) for r in rows))
+    by = {(r["system"], r["scheme"], r["link"]): r for r in rows}
+    head = "| system | scheme | " + " | ".join(
+        f"{link}: step s (p90) | {link}: MB sent/host/step | {link}: vs Horovod | "
+        f"{link}: vs DDP" for link in links) + " |"
+    lines = [head, "|---|---|" + "---:|" * (4 * len(links))]
+    for system, scheme in keys:
+        cells = []
+        for link in links:
+            r = by.get((system, scheme, link))
+            if r is None:
+                cells += ["–"] * 4
+                continue
+            cells += [f"{r['step_s']:.3f} ({r['step_p90_s']:.3f})",
+                      f"{r['bytes_per_step'] / 1e6:.2f}",
+                      "–" if r["speedup"] is None else f"{r['speedup']:.1f}×",
+                      "–" if r["speedup_vs_ddp"] is None else f"{r['speedup_vs_ddp']:.1f}×"]
+        lines.append(f"| {system} | `{scheme}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def targets(rows: Sequence[Row]) -> list[str]:
+    """PASS/FAIL lines for the goals that compare rows of this run (never enforced)."""
+    def step(system: str, scheme: str, link: str) -> float | None:
+        return next((r["step_s"] for r in rows if r["system"] == system
+                     and r["scheme"] == scheme and r["link"] == link), None)
+
+    lines = []
+    for link in dict.fromkeys(r["link"] for r in rows):
+        for r in rows:
+            if r["link"] != link or r["system"] != "hvd-compress":
+                continue
+            if r["scheme"].startswith("powersgd"):
+                hook = step("ddp", r["scheme"], link)
+                if hook is not None:
+                    ok = r["step_s"] <= hook
+                    lines.append(f"{'PASS' if ok else 'FAIL'}  {link}: {label(r)} "
+                                 f"{r['step_s']:.3f} s <= DDP powerSGD_hook {hook:.3f} s")
+            if r["scheme"] != "none" and r["speedup"] is not None and \
+                    rate_bits(link) <= 1e8:
+                ok = r["speedup"] >= 8
+                lines.append(f"{'PASS' if ok else 'FAIL'}  {link}: {label(r)} "
+                             f"{r['speedup']:.1f}x vs uncompressed Horovod (target 8x)")
+        ours = step("hvd-compress", "none", link)
+        ddp = step("ddp", "none", link)
+        if ours is not None and ddp is not None and rate_bits(link) >= 1e10:
+            ok = ours <= 1.25 * ddp
+            lines.append(f"{'PASS' if ok else 'FAIL'}  {link}: hvd-compress none "
+                         f"{ours:.3f} s <= 1.25 x DDP no hook {ddp:.3f} s")
+    for r in rows:
+        if not r["replicas_agree"]:
+            lines.append(f"FAIL  {r['link']}: {label(r)}: replicas differ after training")
+    return lines
+
+
+def plot_steps(rows: Sequence[Row], path: Path) -> None:
+    """Step time against link rate, one line per (system, scheme), log-log."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    styles = {"ddp": "--", "horovod": ":", "hvd-compress": "-"}
+    for system, scheme in dict.fromkeys((r["system"], r["scheme"]) for r in rows):
+        mine = sorted((r for r in rows if r["system"] == system and r["scheme"] == scheme),
+                      key=lambda r: r["link_bits"])
+        ax.plot([r["link_bits"] / 1e6 for r in mine], [r["step_s"] for r in mine],
+                styles.get(system, "-"), marker="o", label=f"{system} {scheme}")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("link rate, Mbit/s")
+    ax.set_ylabel("median step time, s")
+    first = rows[0]
+    ax.set_title(f"{first['ranks']} emulated hosts, MLP {first['parameters'] / 1e6:.1f} M "
+                 "parameters")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def summary(rows: Sequence[Row]) -> str:
+    out = [markdown(rows), "", "Settings:"]
+    for system, scheme in dict.fromkeys((r["system"], r["scheme"]) for r in rows):
+        r = next(r for r in rows if r["system"] == system and r["scheme"] == scheme)
+        extra = f", controller {r['controller']}" if r.get("controller") else ""
+        out.append(f"- {system} {scheme}: {json.dumps(r['settings'])}{extra}")
+    lines = targets(rows)
+    if lines:
+        out += ["", "Targets:", *lines]
+    spreads = [f"{label(r)} @ {r['link']}: {r['spread']:.2f}" for r in rows]
+    out += ["", "Spread (p90 / median): " + "; ".join(spreads)]
+    return "\n".join(out)
+

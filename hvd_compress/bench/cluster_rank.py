@@ -1,0 +1,273 @@
+"""One rank of ``bench cluster``: real training steps of one system on an emulated host.
+
+Run by :mod:`hvd_compress.bench.cluster` inside a host's namespace, never by hand. Each
+configuration of the plan builds a fresh model (the same weights on every rank, from one
+seed), wraps it for its system and trains ``warmup + steps`` steps (forward, backward,
+exchange, update) on this rank's own random batches; the ``steps`` timed steps give the
+step times. Around them the rank reads its interface's byte counters, and after them checks
+that every rank holds the same parameters (a run whose replicas differ is not a correct
+setting, whatever its speed). Rank 0 writes one row per configuration.
+
+Systems:
+
+- ``ddp``: PyTorch ``DistributedDataParallel`` on Gloo; scheme ``none`` (no hook),
+  ``fp16`` (``fp16_compress_hook``) or ``powersgd:rank=R,start_iter=S`` (``powerSGD_hook``).
+- ``horovod``: stock ``horovod.torch.DistributedOptimizer`` with ``Compression.none`` or
+  ``Compression.fp16``.
+- ``hvd-compress``: :func:`hvd_compress.torch.DistributedOptimizer` with any scheme,
+  sparse pairs summed by Horovod ``allgather`` or by the parameter server (``ps``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import itertools
+import json
+import os
+import resource
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from hvd_compress.bench.hosts import interface_bytes
+
+MODELS: dict[str, tuple[int, ...]] = {
+    "mlp": (1024, 4096, 2048, 1024),
+    "mlp8m": (1024, 2048, 2048, 1024),
+    "tiny": (64, 256, 128, 64),
+}
+"""Layer widths of the MLPs (``Linear``-``ReLU`` between each pair): ``mlp`` has 14.7 M
+parameters (59 MB of float32 gradients), ``mlp8m`` 8.4 M, ``tiny`` 58 K."""
+BATCH = 32
+
+
+def make_model(widths: Sequence[int], seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(itertools.pairwise(widths)):
+        layers.append(nn.Linear(a, b))
+        if i < len(widths) - 2:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+def parameter_count(widths: Sequence[int]) -> int:
+    return sum(a * b + b for a, b in itertools.pairwise(widths))
+
+
+def _checksum(model: nn.Module) -> torch.Tensor:
+    return torch.stack([p.detach().double().sum() for p in model.parameters()])
+
+
+class _System:
+    """How one system wraps a model and checks its replicas."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        if name == "ddp":
+            import torch.distributed as dist
+
+            dist.init_process_group("gloo")
+            self.rank, self.size = dist.get_rank(), dist.get_world_size()
+        else:
+            import horovod.torch as hvd
+
+            hvd.init()
+            self.rank, self.size = hvd.rank(), hvd.size()
+
+    def wrap(self, model: nn.Module, config: dict[str, Any]
+             ) -> tuple[nn.Module, torch.optim.Optimizer, dict[str, Any]]:
+        """The model to run forward, the optimizer to step, and the settings used."""
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        scheme = config["scheme"]
+        if self.name == "ddp":
+            return self._ddp(model, optimizer, scheme)
+        import horovod.torch as hvd
+
+        if self.name == "horovod":
+            compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[scheme]
+            wrapped = hvd.DistributedOptimizer(optimizer,
+                                               named_parameters=model.named_parameters(),
+                                               compression=compression)
+            return model, wrapped, {"compression": f"hvd.Compression.{scheme}"}
+        import hvd_compress.torch as hvdc
+        from hvd_compress import Compression
+
+        extra = {"bucket_mb": config["bucket_mb"]} if config.get("bucket_mb") else {}
+        wrapped = hvdc.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                            compression=Compression.parse(scheme),
+                                            ps=config.get("ps") or "", **extra)
+        return model, wrapped, {"compression": scheme, "ps": config.get("ps") or "allgather",
+                                **extra}
+
+    def _ddp(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheme: str
+             ) -> tuple[nn.Module, torch.optim.Optimizer, dict[str, Any]]:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+        from torch.nn.parallel import DistributedDataParallel
+
+        from hvd_compress import Compression
+        from hvd_compress.schemes.powersgd import PowerSGD
+
+        if scheme.startswith("powersgd"):
+            # One bucket: with DDP's default 25 MB buckets the hook's collectives, issued
+            # from asynchronous callbacks, deadlocked at 4 ranks on this machine.
+            ddp = DistributedDataParallel(model, bucket_cap_mb=1000, init_sync=False)
+            spec = Compression.parse(scheme)
+            assert isinstance(spec, PowerSGD)
+            state = psgd.PowerSGDState(process_group=None,
+                                       matrix_approximation_rank=spec.rank,
+                                       start_powerSGD_iter=max(spec.start_iter, 2),
+                                       min_compression_rate=spec.min_compression_rate,
+                                       use_error_feedback=True, warm_start=spec.warm_start)
+            ddp.register_comm_hook(state, psgd.powerSGD_hook)
+            settings = {"hook": "powerSGD_hook", "bucket_cap_mb": 1000,
+                        "matrix_approximation_rank": spec.rank,
+                        "start_powerSGD_iter": max(spec.start_iter, 2)}
+        else:
+            ddp = DistributedDataParallel(model, init_sync=False)  # default 25 MB buckets
+            settings = {"hook": None, "bucket_cap_mb": 25}
+            if scheme == "fp16":
+                ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+                settings["hook"] = "fp16_compress_hook"
+            elif scheme != "none":
+                raise ValueError(f"ddp runs none, fp16 or powersgd, not {scheme!r}")
+        return ddp, optimizer, settings
+
+    def replicas_agree(self, model: nn.Module) -> bool:
+        local = _checksum(model)
+        if self.name == "ddp":
+            import torch.distributed as dist
+
+            gathered = [torch.empty_like(local) for _ in range(self.size)]
+            dist.all_gather(gathered, local)
+        else:
+            import horovod.torch as hvd
+
+            gathered = list(hvd.allgather(local.unsqueeze(0), name="cluster.check").unbind(0))
+        return all(torch.equal(g, gathered[0]) for g in gathered)
+
+    def barrier(self, tag: str) -> None:
+        if self.name == "ddp":
+            import torch.distributed as dist
+
+            dist.barrier()
+        else:
+            import horovod.torch as hvd
+
+            hvd.allreduce(torch.zeros(1), name=f"cluster.barrier.{tag}")
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this whole process (every thread: Horovod's, Gloo's, the server
+    client's) so far."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _stats(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    stats = getattr(optimizer, "compression_stats", None)
+    if stats is None:
+        return {}
+    return {"payload_bytes": stats.payload_bytes, "dense_bytes": stats.dense_bytes,
+            "collective_bytes": dict(stats.collective_bytes),
+            "collectives": getattr(stats, "collectives", None)}
+
+
+def run_config(system: _System, widths: Sequence[int], config: dict[str, Any], steps: int,
+               warmup: int, progress: Callable[[str], None]) -> dict[str, Any]:
+    model = make_model(widths)
+    forward, optimizer, settings = system.wrap(model, config)
+    gen = torch.Generator().manual_seed(1000 + system.rank)
+    batches = [(torch.randn(BATCH, widths[0], generator=gen),
+                torch.randint(0, widths[-1], (BATCH,), generator=gen)) for _ in range(4)]
+    loss_fn = nn.CrossEntropyLoss()
+    times: list[float] = []
+    phases = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+    tx0 = rx0 = 0
+    cpu0 = 0.0
+    for step in range(warmup + steps):
+        if step == warmup:
+            system.barrier(f"{config['scheme']}.{step}")
+            tx0, rx0 = interface_bytes()
+            cpu0 = _cpu_seconds()
+            phases = dict.fromkeys(phases, 0.0)
+        x, y = batches[step % len(batches)]
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        loss = loss_fn(forward(x), y)
+        forwarded = time.perf_counter()
+        loss.backward()
+        backwarded = time.perf_counter()
+        optimizer.step()
+        end = time.perf_counter()
+        times.append(end - start)
+        phases["forward"] += forwarded - start
+        phases["backward"] += backwarded - forwarded
+        phases["step"] += end - backwarded
+        progress(f"{config['scheme']} step {step + 1}/{warmup + steps} {times[-1]:.3f} s")
+    tx1, rx1 = interface_bytes()
+    cpu = (_cpu_seconds() - cpu0) / steps
+    timed = sorted(times[warmup:])
+    agree = system.replicas_agree(model)
+    row = {"scheme": config["scheme"], "settings": settings,
+           "step_s": statistics.median(timed),
+           "step_p90_s": timed[min(len(timed) - 1, round(0.9 * (len(timed) - 1)))],
+           "step_times_s": times[warmup:],
+           "tx_bytes_per_step": (tx1 - tx0) / steps, "rx_bytes_per_step": (rx1 - rx0) / steps,
+           "cpu_s_per_step": cpu,
+           "phases_s": {name: total / steps for name, total in phases.items()},
+           "replicas_agree": agree, **_stats(optimizer)}
+    if system.name == "ddp":
+        import torch.distributed as dist
+
+        dist.barrier()  # every rank leaves this configuration before the next one is built
+    return row
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--system", choices=("ddp", "horovod", "hvd-compress"), required=True)
+    parser.add_argument("--configs", required=True, help="JSON list of configurations")
+    parser.add_argument("--model", choices=sorted(MODELS), required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--warmup", type=int, required=True)
+    parser.add_argument("--out", type=Path, required=True, help="rank 0 writes rows here")
+    parser.add_argument("--progress", type=Path, help="rank 0 writes its latest step here")
+    parser.add_argument("--stacks-at", type=float, required=True,
+                        help="write every thread's Python stack at this time.time()")
+    parser.add_argument("--stacks-dir", type=Path, required=True)
+    args = parser.parse_args(argv)
+    rank_hint = os.environ.get("HOROVOD_RANK") or os.environ.get("RANK") \
+        or os.environ.get("OMPI_COMM_WORLD_RANK", "x")
+    stacks = (args.stacks_dir / f"stacks-rank{rank_hint}.txt").open("w")
+    faulthandler.dump_traceback_later(max(args.stacks_at - time.time(), 0.1), file=stacks)
+    torch.set_num_threads(1)
+    system = _System(args.system)
+
+    def progress(text: str) -> None:
+        if system.rank == 0 and args.progress is not None:
+            args.progress.write_text(text)
+
+    rows = []
+    for config in json.loads(args.configs):
+        rows.append(run_config(system, MODELS[args.model], config, args.steps, args.warmup,
+                               progress))
+        if system.rank == 0:
+            args.out.write_text(json.dumps(rows, indent=2))
+    faulthandler.cancel_dump_traceback_later()
+    stacks.close()
+    if args.system == "ddp":
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
