@@ -12,34 +12,47 @@ from typing import Any
 
 import torch
 
+from hvd_compress.schemes.base import Dense, subtract
+
 
 class ErrorFeedback:
-    """Residuals keyed by tensor name."""
+    """Residuals keyed by tensor name.
+
+    Each tensor has two float32 buffers that trade places every step, so a step allocates
+    nothing: :meth:`compensate` writes ``g + e`` into the spare one, and :meth:`commit_sent`
+    turns that buffer into the new residual in place (``(g + e) - sent``), handing the old
+    residual's buffer back as the spare. Until :meth:`commit_sent` the residual is
+    untouched, so a step that fails leaves it as it was.
+    """
 
     def __init__(self) -> None:
         self._residuals: dict[str, torch.Tensor] = {}
+        self._spares: dict[str, torch.Tensor] = {}
 
     def compensate(self, name: str, grad: torch.Tensor) -> torch.Tensor:
-        """``g + e`` as a new float32 tensor (``g`` itself when there is no residual yet)."""
-        x = grad.to(torch.float32)
+        """``g + e`` in float32, in a buffer of this object's (never ``grad`` itself)."""
         residual = self._residuals.get(name)
-        if residual is None:
-            return x.clone() if x is grad else x
-        if residual.shape != grad.shape:
+        if residual is not None and residual.shape != grad.shape:
             raise ValueError(f"error feedback: residual of {name!r} has shape "
                              f"{tuple(residual.shape)} but its gradient has {tuple(grad.shape)}")
-        return x + residual.to(x.device)
-
-    @staticmethod
-    def residual(compensated: torch.Tensor, sent: torch.Tensor | None) -> torch.Tensor | None:
-        """What compression lost; ``None`` when it sent everything."""
-        return None if sent is None else compensated - sent
-
-    def commit(self, name: str, residual: torch.Tensor | None) -> None:
+        out = self._spares.pop(name, None)
+        if out is None or out.shape != grad.shape or out.device != grad.device:
+            out = torch.empty(grad.shape, dtype=torch.float32, device=grad.device)
         if residual is None:
-            self._residuals.pop(name, None)
+            return out.copy_(grad)
+        return torch.add(grad, residual.to(grad.device), out=out)
+
+    def commit_sent(self, name: str, compensated: torch.Tensor, sent: Dense | None) -> None:
+        """Keep ``compensated - sent`` as the residual, computed in place in
+        ``compensated`` (the buffer :meth:`compensate` returned); ``sent=None``: nothing was
+        lost, the tensor has no residual."""
+        old = self._residuals.pop(name, None)
+        if sent is None:
+            self._spares[name] = compensated
         else:
-            self._residuals[name] = residual
+            self._residuals[name] = subtract(compensated, sent)
+        if old is not None and old.shape == compensated.shape:
+            self._spares.setdefault(name, old)
 
     def get(self, name: str) -> torch.Tensor | None:
         return self._residuals.get(name)
@@ -49,3 +62,4 @@ class ErrorFeedback:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._residuals = {name: torch.as_tensor(r).clone() for name, r in state.items()}
+        self._spares.clear()

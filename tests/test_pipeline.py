@@ -10,7 +10,7 @@ import torch
 from hvd_compress import Compression, NonFiniteGradientError, Pipeline, Policy
 from hvd_compress.comm.ops import AllReduce, AllToAll
 from hvd_compress.comm.threads import ThreadGroup
-from hvd_compress.schemes.base import Exchange, ExchangeContext, Outcome, Scheme
+from hvd_compress.schemes.base import Exchange, ExchangeContext, LowRank, Outcome, Scheme
 from tests.threaded import make_pipelines, on_threads
 
 
@@ -401,3 +401,112 @@ def test_an_exchange_that_raises_fails_the_whole_step_and_changes_no_state(
     assert pipe.state_dict()["steps"] == {"good": 2, "bad": 2, "other": 2}
     assert pipe.last_step.collectives == 2
     assert dict(pipe.last_step.collective_bytes) == {"r0": 48, "r1": 48}
+
+
+# The step's hot path: no full-size temporaries ----------------------------------------------
+def test_finite_check_passes_a_finite_aggregate_whose_sum_overflows() -> None:
+    """The check sums each aggregate; a sum beyond float32's range is looked at element by
+    element, so only a real NaN or infinity fails the step."""
+    pipes = make_pipelines(Compression.none, 2)
+    big = [{"w": torch.full((4,), 1e38)} for _ in range(2)]  # aggregate 2e38 each, sum inf
+    out = on_threads(2, lambda r: pipes[r].reduce(big[r])["w"])
+    assert torch.equal(out[0], torch.full((4,), 2e38))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        grads = [{"w": torch.ones(4)}, {"w": torch.tensor([1.0, bad, 1.0, 1.0])}]
+
+        def step(rank: int, grads: list = grads) -> None:
+            with pytest.raises(NonFiniteGradientError):
+                pipes[rank].reduce(grads[rank])
+
+        on_threads(2, step)
+
+
+@pytest.mark.parametrize("spec", ["none", "powersgd:rank=2,start_iter=0", "onebit:bucket_size=16"])
+def test_wait_into_writes_the_same_aggregates_into_the_given_tensors(spec: str) -> None:
+    grads = _grads(2, steps=2)
+    ref, _, _ = _run(spec, 2, None, "plan", grads)
+    pipes = make_pipelines(Compression.parse(spec), 2, DENSE_1D, average=True)
+
+    def work(rank: int) -> list[dict[str, torch.Tensor]]:
+        pipes[rank].plan(list(MODEL), [torch.Size(s).numel() for s in MODEL.values()])
+        out = []
+        for tensors in grads[rank]:
+            into = {n: torch.full(t.shape, float("nan")) for n, t in tensors.items()}
+            into["fc2.weight"] = torch.zeros(MODEL["fc2.weight"], dtype=torch.bfloat16)
+            for name, tensor in tensors.items():
+                pipes[rank].submit(name, tensor)
+            got = pipes[rank].wait(into)
+            assert all(got[n] is into[n] for n in tensors)
+            out.append(got)
+        return out
+
+    out = on_threads(2, work)
+    for rank in range(2):
+        for step in range(2):
+            for name in MODEL:
+                want = ref[rank][step][name] / 2  # _run sums; this pipeline averages
+                got = out[rank][step][name]
+                if got.dtype == torch.bfloat16:
+                    assert torch.equal(got, want.to(torch.bfloat16))
+                else:
+                    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_error_feedback_alternates_two_buffers_and_a_failed_step_keeps_the_residual() -> None:
+    pipes = make_pipelines(Compression.onebit(bucket_size=16), 2)
+    gen = torch.Generator().manual_seed(3)
+    pointers = []
+    for _ in range(5):
+        grads = [{"w": torch.randn(8, 8, generator=gen)} for _ in range(2)]
+        on_threads(2, lambda r, grads=grads: pipes[r].reduce(grads[r]))
+        pointers.append(pipes[0].feedback.get("w").data_ptr())
+    assert len(set(pointers[1:])) == 2  # after the first step: two buffers, in turn
+    kept = pipes[0].feedback.get("w").clone()
+    grads = [{"w": torch.randn(8, 8)}, {"w": torch.full((8, 8), float("nan"))}]
+
+    def fail(rank: int) -> None:
+        with pytest.raises(NonFiniteGradientError):
+            pipes[rank].reduce(grads[rank])
+
+    on_threads(2, fail)
+    assert torch.equal(pipes[0].feedback.get("w"), kept)
+
+
+def test_scheme_state_and_results_never_alias_the_reused_fusion_buffers() -> None:
+    """PowerSGD's Q is the fused Q all-reduce's result; a later step reuses that buffer, so
+    the committed Q (and the aggregates handed out) must be tensors of their own."""
+    spec = "powersgd:rank=2,start_iter=0"
+    pipes = make_pipelines(Compression.parse(spec), 2, DENSE_1D)
+    grads = _grads(2, steps=2)
+    first = on_threads(2, lambda r: pipes[r].reduce(grads[r][0]))
+    q = {n: pipes[0].scheme_state(n)["q"].clone() for n in ("fc2.weight", "fc1.weight")}
+    kept = {n: t.clone() for n, t in first[0].items()}
+    bad = [dict(g) for g in grads[1]]
+    bad[1]["fc2.weight"] = torch.full(MODEL["fc2.weight"], float("nan"))
+
+    def fail(rank: int) -> None:
+        with pytest.raises(NonFiniteGradientError):
+            pipes[rank].reduce(bad[rank])
+
+    on_threads(2, fail)  # the fused buffers now hold this failed step's values
+    for name, want in q.items():
+        assert torch.equal(pipes[0].scheme_state(name)["q"], want)
+    on_threads(2, lambda r: pipes[r].reduce(grads[r][1]))
+    assert all(torch.equal(first[0][n], kept[n]) for n in kept)
+
+
+def test_low_rank_factors_write_subtract_and_sum_like_their_product() -> None:
+    gen = torch.Generator().manual_seed(0)
+    left, right = torch.randn(6, 2, generator=gen), torch.randn(20, 2, generator=gen)
+    value = LowRank(left, right, torch.Size((6, 4, 5)))
+    dense = (left @ right.t()).view(6, 4, 5)
+    assert torch.equal(value.materialize(), dense)
+    torch.testing.assert_close(value.total(), dense.sum())
+    out = torch.full((6, 4, 5), float("nan"))
+    torch.testing.assert_close(value.write(out, 0.5), 0.5 * dense)  # beta=0 ignores NaN
+    half = torch.zeros(6, 4, 5, dtype=torch.float16)
+    torch.testing.assert_close(value.write(half, 0.5), (0.5 * dense).half())
+    x = torch.randn(6, 4, 5, generator=gen)
+    torch.testing.assert_close(value.subtract_from(x.clone()), x - dense)
+    left[0, 0] = float("nan")
+    assert not value.total().isfinite()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -19,7 +20,8 @@ T = TypeVar("T")
 
 
 class RecordingCommunicator:
-    """Wraps a communicator and records the name and request of every ``start``."""
+    """Wraps a communicator and records the name and request of every ``start``, the
+    request as it was handed over (a copy: an in-place all-reduce overwrites its tensor)."""
 
     def __init__(self, inner: Communicator) -> None:
         self.inner = inner
@@ -31,7 +33,9 @@ class RecordingCommunicator:
         return [name for name, _ in self.started]
 
     def start(self, name: str, op: Collective) -> Any:
-        self.started.append((name, op))
+        tensor = getattr(op, "tensor", None)
+        copy = op if tensor is None else dataclasses.replace(op, tensor=tensor.clone())
+        self.started.append((name, copy))
         return self.inner.start(name, op)
 
     def wait(self, handle: Any) -> torch.Tensor | list[torch.Tensor]:

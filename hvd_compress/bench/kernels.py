@@ -35,7 +35,13 @@ from hvd_compress import Compression
 from hvd_compress.bench import SCHEMES
 from hvd_compress.bench.report import Column, Row, Target, field
 from hvd_compress.comm.ops import AllReduce
-from hvd_compress.schemes.base import Exchange, ExchangeContext, Outcome, PackedScheme
+from hvd_compress.schemes.base import (
+    Exchange,
+    ExchangeContext,
+    Outcome,
+    PackedScheme,
+    materialize,
+)
 from hvd_compress.schemes.dense import FP16
 from hvd_compress.schemes.powersgd import PowerSGD
 
@@ -102,8 +108,18 @@ def make_kernel(spec: str, x: torch.Tensor) -> Kernel:
         ctx = ExchangeContext("bench", rank=0, size=1, step=scheme.start_iter)
         state = _run_alone(scheme.exchange(matrix, {}, ctx)).state
         return Kernel(spec, f"step on {shape[0]}x{shape[1]}: M@Q, qr, M.T@P, 2x P@Q.T", shape,
-                      lambda: _run_alone(scheme.exchange(matrix, state, ctx)).aggregate.view(-1))
+                      lambda: _powersgd_step(scheme, matrix, state, ctx))
     raise ValueError(f"no kernel to time for scheme {spec!r}")
+
+
+def _powersgd_step(scheme: PowerSGD, matrix: torch.Tensor, state: dict[str, torch.Tensor],
+                   ctx: ExchangeContext) -> torch.Tensor:
+    """One exchange on one rank, with its two products (the aggregate, and this rank's
+    contribution that error feedback subtracts) materialised."""
+    outcome = _run_alone(scheme.exchange(matrix, state, ctx))
+    assert outcome.sent is not None
+    materialize(outcome.sent)
+    return materialize(outcome.aggregate).view(-1)
 
 
 def _seconds(fn: Callable[[], object]) -> float:

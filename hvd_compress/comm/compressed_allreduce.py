@@ -23,6 +23,7 @@ from collections.abc import Mapping
 import torch
 
 from hvd_compress.comm.ops import AllGather, AllToAll
+from hvd_compress.native import buffers
 from hvd_compress.schemes.base import Exchange, ExchangeContext, Outcome, PackedScheme
 
 CHUNK_RESIDUAL = "chunk_residual"
@@ -51,12 +52,12 @@ def compressed_allreduce(codec: PackedScheme, x: torch.Tensor,
     payload_sizes = tuple(p.numel() for p in payloads)
     sent = None
     if codec.error_feedback:
-        sent = torch.cat([codec.decode(p, n) for p, n in zip(payloads, sizes)]).view_as(x)
+        sent = _concat([codec.decode(p, n) for p, n in zip(payloads, sizes)]).view_as(x)
 
-    received = yield AllToAll("scatter", torch.cat(payloads), payload_sizes)
+    received = yield AllToAll("scatter", _concat(payloads), payload_sizes)
     mine = sizes[ctx.rank]
-    chunk_sum = torch.zeros(mine, dtype=torch.float32, device=x.device)
-    for payload in received:
+    chunk_sum = codec.decode(received[0], mine) if mine else flat.new_zeros(0)
+    for payload in received[1:]:
         chunk_sum += codec.decode(payload, mine)
 
     new_state: dict[str, torch.Tensor] = {}
@@ -66,9 +67,16 @@ def compressed_allreduce(codec: PackedScheme, x: torch.Tensor,
             chunk_sum += residual
     reencoded = codec.encode(chunk_sum, ctx.generator("reencode", x.device))
     if codec.error_feedback:
-        new_state[CHUNK_RESIDUAL] = chunk_sum - codec.decode(reencoded, mine)
+        new_state[CHUNK_RESIDUAL] = chunk_sum.sub_(codec.decode(reencoded, mine))
 
     gather_sizes = tuple(codec.chunk_bytes(n) for n in sizes)
     gathered = yield AllGather("gather", reencoded, gather_sizes)
-    aggregate = torch.cat([codec.decode(p, n) for p, n in zip(gathered, sizes)])
+    aggregate = _concat([codec.decode(p, n) for p, n in zip(gathered, sizes)])
     return Outcome(aggregate.view_as(x), sent, sum(payload_sizes), new_state)
+
+
+def _concat(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat`` into recycled memory (:func:`hvd_compress.native.buffers.empty`): no
+    fresh pages to fault in every step."""
+    out = buffers.empty(sum(p.numel() for p in parts), parts[0].dtype, parts[0].device)
+    return torch.cat(parts, out=out)

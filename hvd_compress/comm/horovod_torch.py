@@ -28,7 +28,8 @@ class HorovodTorchCommunicator:
     def start(self, name: str, op: Collective) -> tuple[Collective, int]:
         ps = self.process_set
         if isinstance(op, AllReduce):
-            handle = hvd.allreduce_async(op.tensor, name=name, op=hvd.Sum, process_set=ps)
+            reduce = hvd.allreduce_async_ if op.inplace else hvd.allreduce_async
+            handle = reduce(op.tensor, name=name, op=hvd.Sum, process_set=ps)
         elif isinstance(op, AllGather):
             handle = hvd.allgather_async(op.tensor, name=name, process_set=ps)
         elif isinstance(op, SparseSum):

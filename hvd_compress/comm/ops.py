@@ -29,10 +29,15 @@ class AllReduce:
     Fusion contract: none beyond a shape known to every rank. Requests of one dtype and
     device share one all-reduce, whatever their round names (a bias's ``dense`` and
     PowerSGD's ``P``, as in DDP's ``powerSGD_hook``); each gets its slice back, in its shape.
+
+    ``inplace``: the tensor belongs to the pipeline and the communicator may sum into it
+    and return it (Horovod's ``allreduce_async_``), so that no result buffer is allocated;
+    a communicator may also ignore it and return a new tensor.
     """
 
     round: str
     tensor: torch.Tensor
+    inplace: bool = False
 
 
 @dataclass(frozen=True)

@@ -93,7 +93,9 @@ def _combine(requests: list[Collective]) -> dict[int, torch.Tensor | list[torch.
     first = requests[0]
     if isinstance(first, AllReduce):
         total = torch.stack([op.tensor for op in requests]).sum(dim=0)
-        return {r: total.clone() for r in range(size)}
+        # In place where the request allows it, as Horovod's allreduce_async_ does.
+        return {r: op.tensor.copy_(total) if op.inplace else total.clone()
+                for r, op in enumerate(requests)}
     if isinstance(first, AllGather):
         pieces = [op.tensor.reshape(-1) for op in requests]
         sizes = first.sizes

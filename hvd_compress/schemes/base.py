@@ -55,19 +55,111 @@ class ExchangeContext:
         return gen
 
 
+@dataclass(frozen=True)
+class LowRank:
+    """The tensor ``(left @ right.T).view(shape)``, kept as its two factors.
+
+    A low-rank scheme (PowerSGD) returns its aggregate and its own contribution this way,
+    so the pipeline writes each where it goes in one matrix product (``addmm``) instead of
+    first materialising an ``n x m`` matrix and then copying, scaling or subtracting it:
+    the difference is two passes over every compressed gradient per step.
+    """
+
+    left: torch.Tensor
+    right: torch.Tensor
+    shape: torch.Size
+
+    def materialize(self) -> torch.Tensor:
+        return (self.left @ self.right.t()).view(self.shape)
+
+    def total(self) -> torch.Tensor:
+        """The sum of all entries, from the factors: ``sum_k (sum_i L_ik)(sum_j R_jk)``.
+        It is NaN or infinite when a factor holds a NaN or an infinity."""
+        return (self.left.sum(0) * self.right.sum(0)).sum()
+
+    def write(self, out: torch.Tensor, scale: float) -> torch.Tensor:
+        """``out = scale * self``, in one product when ``out`` is a contiguous tensor of the
+        factors' dtype (``beta=0``: whatever ``out`` held is ignored, NaN included)."""
+        if out.dtype == self.left.dtype and out.is_contiguous() and out.device == self.left.device:
+            out.view(self.left.shape[0], -1).addmm_(self.left, self.right.t(), beta=0,
+                                                    alpha=scale)
+            return out
+        return torch.mul(self.materialize(), scale, out=out)
+
+    def subtract_from(self, x: torch.Tensor) -> torch.Tensor:
+        """``x -= self`` in one product (``x`` contiguous, the factors' dtype)."""
+        x.view(self.left.shape[0], -1).addmm_(self.left, self.right.t(), alpha=-1)
+        return x
+
+
+@dataclass(frozen=True)
+class Scattered:
+    """A tensor of ``shape`` that is zero but for ``values`` at the flat ``indices``
+    (distinct), kept as those pairs: a sparse scheme's own contribution, which error
+    feedback subtracts from the residual by touching ``k`` entries, not ``n``."""
+
+    indices: torch.Tensor
+    values: torch.Tensor
+    shape: torch.Size
+
+    def materialize(self) -> torch.Tensor:
+        out = torch.zeros(self.shape.numel(), dtype=torch.float32, device=self.values.device)
+        return out.index_copy_(0, self.indices, self.values.float()).view(self.shape)
+
+    def total(self) -> torch.Tensor:
+        return self.values.float().sum()
+
+    def write(self, out: torch.Tensor, scale: float) -> torch.Tensor:
+        out.zero_().view(-1).index_copy_(0, self.indices, (self.values.float() * scale)
+                                         .to(out.dtype))
+        return out
+
+    def subtract_from(self, x: torch.Tensor) -> torch.Tensor:
+        x.view(-1).index_add_(0, self.indices, self.values.to(x.dtype), alpha=-1)
+        return x
+
+
+Dense = torch.Tensor | LowRank | Scattered
+"""A dense tensor, or one kept as low-rank factors (:class:`LowRank`) or as the pairs of
+its non-zero entries (:class:`Scattered`)."""
+
+
+def materialize(value: Dense) -> torch.Tensor:
+    return value if isinstance(value, torch.Tensor) else value.materialize()
+
+
+def total(value: Dense) -> torch.Tensor:
+    """The sum of all entries (NaN or infinite when an entry is, or when it overflows)."""
+    return value.sum() if isinstance(value, torch.Tensor) else value.total()
+
+
+def subtract(x: torch.Tensor, value: Dense) -> torch.Tensor:
+    """``x -= value`` in place; returns ``x``."""
+    return x.sub_(value) if isinstance(value, torch.Tensor) else value.subtract_from(x)
+
+
+def write_scaled(value: Dense, out: torch.Tensor, scale: float) -> torch.Tensor:
+    """``out = scale * value`` (cast to ``out``'s dtype) in one pass; returns ``out``."""
+    if not isinstance(value, torch.Tensor):
+        return value.write(out, scale)
+    value = value.view(out.shape)
+    return torch.mul(value, scale, out=out) if scale != 1.0 else out.copy_(value)
+
+
 @dataclass
 class Outcome:
     """The result of one tensor's exchange.
 
     ``aggregate`` is the **sum** over ranks (the pipeline divides for an average).
     ``sent`` is this rank's own contribution as the others decode it, which error feedback
-    subtracts from the input; ``None`` means it was sent exactly. ``state`` replaces the
-    scheme's per-tensor state once the step is known to be good. ``payload_bytes`` is the
-    exact encoded size of this rank's contribution.
+    subtracts from the input; ``None`` means it was sent exactly. Either may be kept as
+    low-rank factors (:class:`LowRank`). ``state`` replaces the scheme's per-tensor state
+    once the step is known to be good. ``payload_bytes`` is the exact encoded size of this
+    rank's contribution.
     """
 
-    aggregate: torch.Tensor
-    sent: torch.Tensor | None
+    aggregate: Dense
+    sent: Dense | None
     payload_bytes: int
     state: State = field(default_factory=dict)
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from hvd_compress.comm.ops import AllReduce
-from hvd_compress.schemes.base import Exchange, ExchangeContext, Outcome, Scheme
+from hvd_compress.schemes.base import Exchange, ExchangeContext, LowRank, Outcome, Scheme
 
 Q_STATE = "q"
 
@@ -94,8 +94,10 @@ class PowerSGD(Scheme):
         q_local = matrix.t() @ p_hat
         q_total = yield AllReduce("Q", q_local)
 
-        aggregate = (p_hat @ q_total.t()).view_as(x)
-        sent = (p_hat @ q_local.t()).view_as(x)
+        # Both kept as factors: the pipeline writes P^ Q^T straight into the gradient and
+        # subtracts P^ Q_local^T from the residual, one product each.
+        aggregate = LowRank(p_hat, q_total, x.shape)
+        sent = LowRank(p_hat, q_local, x.shape)
         return Outcome(aggregate, sent, 4 * (n + m) * r, {Q_STATE: q_total})
 
     def describe(self) -> dict[str, Any]:

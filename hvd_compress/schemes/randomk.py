@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from hvd_compress.comm.ops import AllReduce
-from hvd_compress.schemes.base import Exchange, ExchangeContext, Outcome, Scheme
+from hvd_compress.schemes.base import Exchange, ExchangeContext, Outcome, Scattered, Scheme
 from hvd_compress.schemes.topk import check_ratio, sparse_count
 
 
@@ -40,9 +40,9 @@ class RandomK(Scheme):
         indices = torch.randperm(flat.numel(), generator=gen)[:k].to(x.device)
         values = flat[indices]
         total = yield AllReduce("values", values)
-        aggregate = torch.zeros_like(flat).index_copy_(0, indices, total)
-        sent = torch.zeros_like(flat).index_copy_(0, indices, values)
-        return Outcome(aggregate.view_as(x), sent.view_as(x), 4 * k)
+        aggregate = Scattered(indices, total, x.shape)
+        sent = Scattered(indices, values, x.shape)
+        return Outcome(aggregate, sent, 4 * k)
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "ratio": self.ratio}

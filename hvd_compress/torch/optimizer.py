@@ -110,18 +110,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for p in self._requires_update:
             if p not in self._submitted:
                 self._submit(p)
+        # Dense gradients receive their aggregates in place (scaled and cast in one pass).
+        into = {self._parameter_names[p]: p.grad for p in self._requires_update
+                if not p.grad.is_sparse}
         try:
-            results = self._pipeline.wait()
+            results = self._pipeline.wait(into)
         finally:
             self._submitted.clear()
             for p in self._delay:
                 self._delay[p] = self.backward_passes_per_step
         for p in self._requires_update:
-            aggregate = results[self._parameter_names[p]]
             if p.grad.is_sparse:
-                p.grad = aggregate.to_sparse()
-            else:
-                p.grad.copy_(aggregate)
+                p.grad = results[self._parameter_names[p]].to_sparse()
         self._synchronized = True
 
     @contextmanager
