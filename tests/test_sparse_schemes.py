@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from hvd_compress import Compression
+from hvd_compress.schemes.base import Scattered
 from hvd_compress.schemes.dgc import MOMENTUM, VELOCITY
-from hvd_compress.schemes.topk import sparse_count
+from hvd_compress.schemes.topk import largest, sparse_count
 from tests.threaded import make_pipelines, on_threads
 
 
@@ -102,3 +103,35 @@ def test_dgc_sampled_threshold_finds_most_of_the_true_top_k() -> None:
     true_top = set(g.abs().topk(k).indices.tolist())
     assert len(sent) <= k
     assert len(sent & true_top) >= 0.95 * k
+
+
+@pytest.mark.parametrize("kind", ["normal", "heavy", "blocks", "spike"])
+def test_largest_selects_exactly_what_torch_topk_selects(kind: str) -> None:
+    """The sampled threshold only narrows the candidates; the answer is the exact top-k."""
+    gen = torch.Generator().manual_seed(11)
+    n, k = 1 << 20, 1000
+    if kind == "normal":
+        magnitude = torch.randn(n, generator=gen).abs()
+    elif kind == "heavy":  # a few very large entries among many small ones
+        magnitude = torch.rand(n, generator=gen).pow(40)
+    elif kind == "blocks":  # the largest entries all in one region, every value distinct
+        magnitude = torch.arange(n, dtype=torch.float32)
+    else:  # exactly k entries stand far above the rest
+        magnitude = torch.rand(n, generator=gen)
+        magnitude[torch.randperm(n, generator=gen)[:k]] += 1e6
+    got = largest(magnitude, k, torch.Generator().manual_seed(5))
+    want = magnitude.topk(k).indices
+    assert got.numel() == k
+    assert set(got.tolist()) == set(want.tolist())
+
+
+def test_scattered_contribution_subtracts_and_writes_like_its_dense_form() -> None:
+    gen = torch.Generator().manual_seed(2)
+    indices = torch.randperm(60, generator=gen)[:7]
+    value = Scattered(indices, torch.randn(7, generator=gen), torch.Size((6, 10)))
+    dense = value.materialize()
+    assert torch.count_nonzero(dense) == 7
+    torch.testing.assert_close(value.total(), dense.sum())
+    x = torch.randn(6, 10, generator=gen)
+    assert torch.equal(value.subtract_from(x.clone()), x - dense)
+    torch.testing.assert_close(value.write(torch.full((6, 10), 9.0), 0.25), 0.25 * dense)
