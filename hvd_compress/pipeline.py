@@ -66,6 +66,7 @@ different names: Horovod's stall warning then lists them (a ``ThreadGroup`` rais
 from __future__ import annotations
 
 import hashlib
+import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -109,6 +110,11 @@ class StepStats:
     by round name (``dense``, ``fp16``, ``scatter``, ``gather``, ``P``, ``Q``...), counted
     per tensor whether or not the request travelled fused with others. ``collectives``:
     collectives started (a fused one counts once), i.e. Horovod negotiations.
+    ``seconds``: where this rank's time went, by part: ``feedback`` (adding residuals),
+    ``scheme`` (the schemes' own code: encoding, decoding, products), ``fuse`` (cutting and
+    joining fused requests and starting collectives), ``wait <round>`` (blocked until a
+    round's collectives finished: the transfer, Horovod's negotiation and cycle, and the
+    slowest rank), ``commit`` (finite check, residuals, writing the aggregates).
     """
 
     payload_bytes: int = 0
@@ -117,6 +123,7 @@ class StepStats:
     compressed_tensors: int = 0
     dense_tensors: int = 0
     collectives: int = 0
+    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
 
     @property
     def ratio(self) -> float:
@@ -130,6 +137,8 @@ class StepStats:
         self.collectives += other.collectives
         for key, value in other.collective_bytes.items():
             self.collective_bytes[key] += value
+        for key, seconds in other.seconds.items():
+            self.seconds[key] += seconds
 
 
 # Buckets and fusion -------------------------------------------------------------------------
@@ -466,9 +475,11 @@ class Pipeline:
             raise TypeError(f"tensor {name!r} has dtype {grad.dtype}; only floating-point "
                             "gradients can be compressed or averaged")
         scheme = self.route(name, grad.shape)
+        started = time.perf_counter()
         x = grad / self.prescale if self.prescale != 1.0 else grad
         if scheme is not _DENSE:
             x = self.feedback.compensate(name, x) if scheme.error_feedback else x.float()
+        self._current.seconds["feedback"] += time.perf_counter() - started
         ctx = ExchangeContext(name, self.comm.rank, self.comm.size, self._steps[name],
                               self.seed)
         exchange = scheme.exchange(x, self._scheme_state.get(name, {}), ctx)
@@ -524,11 +535,13 @@ class Pipeline:
             self._unplanned.clear()
             self._launched.clear()
             self._failure = None
+        started = time.perf_counter()
         try:
             self._check_finite(flights)
         except NonFiniteGradientError:
             self._current = StepStats()
             raise
+        self._current.seconds["commit"] += time.perf_counter() - started
         return self._commit(flights, into or {})
 
     def reduce(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -542,10 +555,13 @@ class Pipeline:
 
     def _advance(self, flight: _InFlight, result: Any) -> None:
         """Run the exchange to its next request (kept to be started) or to its end."""
+        started = time.perf_counter()
         try:
             flight.request = flight.exchange.send(result)
         except StopIteration as done:
             flight.request, flight.outcome = None, done.value
+        finally:
+            self._current.seconds["scheme"] += time.perf_counter() - started
 
     def _place(self, flight: _InFlight) -> None:
         position = self._position.get(flight.name)
@@ -594,6 +610,7 @@ class Pipeline:
         bucket.groups = [self._start(bucket, group) for group in members]
 
     def _start(self, bucket: _Bucket, members: list[_InFlight]) -> _Group:
+        started = time.perf_counter()
         requests: list[Collective] = []
         for flight in members:
             assert flight.request is not None
@@ -609,13 +626,18 @@ class Pipeline:
                       f"{bucket.describe()} ({name}, tensors {names})", buffers.empty)
         handle = self.comm.start(name, op)
         self._current.collectives += 1
+        self._current.seconds["fuse"] += time.perf_counter() - started
         return _Group(name, members, requests, handle)
 
     def _finish_phase(self, bucket: _Bucket) -> None:
         """Wait on the bucket's current collectives, advance their members, start the next
         phase."""
         for group in bucket.groups:
+            started = time.perf_counter()
             result = self.comm.wait(group.handle)
+            waited = time.perf_counter()
+            rounds = "+".join(dict.fromkeys(r.round for r in group.requests))
+            self._current.seconds[f"wait {rounds}"] += waited - started
             if len(group.members) == 1:
                 parts = [result]
             else:
@@ -623,6 +645,7 @@ class Pipeline:
                          f"{[f.name for f in group.members]})")
                 parts = split_result(group.requests, result, self.comm.rank, self.comm.size,
                                      where)
+            self._current.seconds["fuse"] += time.perf_counter() - waited
             for flight, part in zip(group.members, parts, strict=True):
                 self._advance(flight, part)
         bucket.phase += 1
@@ -653,6 +676,7 @@ class Pipeline:
 
     def _commit(self, flights: list[_InFlight],
                 into: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        started = time.perf_counter()
         results: dict[str, torch.Tensor] = {}
         stats = self._current
         scale = self.prescale / (self.comm.size if self.average else 1)
@@ -672,6 +696,7 @@ class Pipeline:
                 stats.dense_tensors += 1
             else:
                 stats.compressed_tensors += 1
+        stats.seconds["commit"] += time.perf_counter() - started
         self.total.add(stats)
         self.last_step, self._current = stats, StepStats()
         return results
