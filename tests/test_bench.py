@@ -252,7 +252,9 @@ def test_cluster_bench_quick_trains_every_system_on_emulated_hosts(tmp_path: Pat
     """The harness, not the speed-ups: every system trains on the emulated hosts, the
     interfaces' counters see the bytes, the report files are written, nothing is left."""
     assert main(["cluster", "--quick", "--out-dir", str(tmp_path), "--timeout", "300"]) == 0
-    rows = json.loads((tmp_path / "cluster.json").read_text())
+    everything = json.loads((tmp_path / "cluster.json").read_text())
+    rows = [r for r in everything if r.get("task") != "digits"]
+    digits = [r for r in everything if r.get("task") == "digits"]
     got = {(r["system"], r["scheme"]) for r in rows}
     assert got == {("ddp", "none"), ("ddp", "powersgd:rank=4,start_iter=2"),
                    ("horovod", "none"), ("hvd-compress", "none"),
@@ -266,6 +268,13 @@ def test_cluster_bench_quick_trains_every_system_on_emulated_hosts(tmp_path: Pat
         assert len(row["step_times_s"]) == 3
         assert 0 < row["step_s"] <= row["step_p90_s"] <= max(row["step_times_s"])
         assert row["speedup"] == pytest.approx(by["horovod", "none"]["step_s"] / row["step_s"])
+        if row["system"] == "hvd-compress":  # where the exchange's time went, within the step
+            parts = row["exchange_s"]
+            assert {"feedback", "scheme", "fuse", "commit"} <= set(parts)
+            assert any(part.startswith("wait ") for part in parts)
+            assert min(parts.values()) >= 0
+            mean_step = sum(row["step_times_s"]) / len(row["step_times_s"])
+            assert sum(parts.values()) <= mean_step
     # A ring all-reduce of 2 ranks sends each rank's whole gradient once: the interface
     # counters (headers included) see at least that, and compressed runs far less.
     for system in ("ddp", "horovod", "hvd-compress"):
@@ -278,5 +287,20 @@ def test_cluster_bench_quick_trains_every_system_on_emulated_hosts(tmp_path: Pat
     assert server["tx_bytes_per_step"] < dense_bytes / 3
     assert "| hvd-compress | `powersgd:rank=4,start_iter=2` |" in (
         tmp_path / "cluster.md").read_text()
-    assert (tmp_path / "cluster-steps.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for picture in ("cluster-steps.png", "cluster-accuracy.png"):
+        assert (tmp_path / picture).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Time to accuracy: the same systems train digits; each evaluation is recorded and the
+    # target is uncompressed Horovod's final accuracy minus one point.
+    assert {(r["system"], r["scheme"]) for r in digits} == got
+    base = next(r for r in digits if r["system"] == "horovod")
+    for row in digits:
+        assert row["replicas_agree"] and len(row["curve_s"]) == row["epochs"] == 2
+        assert row["curve_s"] == sorted(row["curve_s"]) and row["curve_s"][0] > 0
+        assert 0.05 < row["final_accuracy"] <= 1
+        assert row["target_accuracy"] == pytest.approx(base["final_accuracy"] - 0.01)
+        reached = [s for s, a in zip(row["curve_s"], row["curve_accuracy"])
+                   if a >= row["target_accuracy"]]
+        assert row["time_to_target_s"] == (reached[0] if reached else None)
+    assert base["time_to_target_s"] is not None
+    assert "seconds to target" in (tmp_path / "cluster.md").read_text()
     assert leftover_network_objects() == []

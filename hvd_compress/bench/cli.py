@@ -109,8 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     clus = commands.add_parser("cluster", help="training step time of hvd-compress, PyTorch "
                                "DDP and stock Horovod on an emulated cluster (root)")
     clus.add_argument("--json", type=Path, help="write the rows to this file")
-    clus.add_argument("--out-dir", type=Path,
-                      help="write cluster.json, cluster.md and cluster-steps.png here")
+    clus.add_argument("--out-dir", type=Path, help="write cluster.json, cluster.md, "
+                      "cluster-steps.png and cluster-accuracy.png here")
     clus.add_argument("--quick", action="store_true",
                       help="a tiny model on 2 hosts at one rate, 3 steps: checks the harness "
                       "in about a minute (the options below still apply when given)")
@@ -121,8 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="one-way delay added to every host's traffic (default 0)")
     clus.add_argument("--model", choices=sorted(cluster_rank.MODELS),
                       help="the MLP trained (default mlp, 14.7 M parameters)")
-    clus.add_argument("--steps", type=_positive_int, help="timed steps (default 10)")
-    clus.add_argument("--warmup", type=int, help="untimed steps first (default 3)")
+    clus.add_argument("--steps", type=_positive_int, help="timed steps (default 12)")
+    clus.add_argument("--warmup", type=int,
+                      help="untimed steps first (default 5: they include PowerSGD's first "
+                      "compressed steps, with their new collectives and buffers)")
     clus.add_argument("--schemes", type=_cluster_spec, nargs="*",
                       help="hvd-compress schemes; SPEC@ps sends sparse pairs to a gRPC "
                       f"server on its own host (default: {' '.join(cluster.DEFAULT_SCHEMES)})")
@@ -137,6 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
                       "mpirun with OpenMPI's ring all-reduce (default gloo)")
     clus.add_argument("--bucket-mb", type=float,
                       help="hvd-compress's bucket size (default: the optimizer's)")
+    clus.add_argument("--accuracy-rate", type=_rate,
+                      help="link rate of the time-to-accuracy runs on digits (default 100mbit)")
+    clus.add_argument("--epochs", type=int,
+                      help="digits epochs per configuration; 0 skips time to accuracy "
+                      "(default 12)")
+    clus.add_argument("--hidden", type=_positive_int,
+                      help="width of the digits MLP's two hidden layers (default 1024)")
     clus.add_argument("--timeout", type=_positive_int, default=1800,
                       help="seconds before a launch is aborted (default 1800)")
     return parser
@@ -156,7 +165,8 @@ def _cluster(args: argparse.Namespace) -> None:
     plan = cluster.Plan.quick() if args.quick else cluster.Plan()
     given = {"ranks": args.ranks, "rates": args.rates, "model": args.model,
              "steps": args.steps, "warmup": args.warmup, "schemes": args.schemes,
-             "ddp": args.ddp, "horovod": args.horovod, "bucket_mb": args.bucket_mb}
+             "ddp": args.ddp, "horovod": args.horovod, "bucket_mb": args.bucket_mb,
+             "accuracy_rate": args.accuracy_rate, "epochs": args.epochs, "hidden": args.hidden}
     plan = dataclasses.replace(
         plan, latency_ms=args.latency_ms, controller=args.controller, timeout=args.timeout,
         progress=lambda text: print(text, file=sys.stderr, flush=True),
@@ -171,8 +181,15 @@ def _cluster(args: argparse.Namespace) -> None:
         args.out_dir.mkdir(parents=True, exist_ok=True)
         (args.out_dir / "cluster.json").write_text(json.dumps(rows, indent=2) + "\n")
         (args.out_dir / "cluster.md").write_text(text + "\n")
-        cluster.plot_steps(rows, args.out_dir / "cluster-steps.png")
-        print(f"wrote cluster.json, cluster.md and cluster-steps.png to {args.out_dir}")
+        written = ["cluster.json", "cluster.md"]
+        if cluster.step_rows(rows):
+            cluster.plot_steps(cluster.step_rows(rows), args.out_dir / "cluster-steps.png")
+            written.append("cluster-steps.png")
+        if cluster.accuracy_rows(rows):
+            cluster.plot_accuracy(cluster.accuracy_rows(rows),
+                                  args.out_dir / "cluster-accuracy.png")
+            written.append("cluster-accuracy.png")
+        print(f"wrote {', '.join(written)} to {args.out_dir}")
 
 
 def _kernels(args: argparse.Namespace) -> None:

@@ -63,13 +63,16 @@ class Plan:
     rates: Sequence[str] = DEFAULT_RATES
     latency_ms: float = 0.0
     model: str = "mlp"
-    steps: int = 10
-    warmup: int = 3
+    steps: int = 12
+    warmup: int = 5
     schemes: Sequence[str] = DEFAULT_SCHEMES
     ddp: Sequence[str] = DDP_SCHEMES
     horovod: Sequence[str] = HOROVOD_SCHEMES
     controller: str = "gloo"
     bucket_mb: float | None = None
+    accuracy_rate: str | None = "100mbit"
+    epochs: int = 12
+    hidden: int = 1024
     timeout: float = 1800
     progress: Callable[[str], None] = field(default=lambda text: None)
 
@@ -80,7 +83,7 @@ class Plan:
         powersgd = "powersgd:rank=4,start_iter=2"
         return cls(ranks=2, rates=("1gbit",), model="tiny", steps=3, warmup=2,
                    schemes=("none", powersgd, "topk:ratio=0.01@ps"), ddp=("none", powersgd),
-                   horovod=("none",))
+                   horovod=("none",), accuracy_rate="1gbit", epochs=2, hidden=32)
 
     def systems(self) -> list[tuple[str, list[dict[str, Any]]]]:
         ours = []
@@ -145,19 +148,21 @@ def _stacks(directory: Path) -> str:
 
 
 def _rank_argv(system: str, configs: list[dict[str, Any]], plan: Plan, directory: Path,
-               deadline: float) -> list[str]:
+               deadline: float, digits: bool) -> list[str]:
     return [sys.executable, "-m", "hvd_compress.bench.cluster_rank", "--system", system,
             "--configs", json.dumps(configs), "--model", plan.model,
             "--steps", str(plan.steps), "--warmup", str(plan.warmup),
+            "--digits-epochs", str(plan.epochs if digits else 0),
+            "--digits-hidden", str(plan.hidden),
             "--out", str(directory / "rows.json"), "--progress", str(directory / "progress"),
             "--stacks-at", str(deadline), "--stacks-dir", str(directory)]
 
 
 def _launch(system: str, configs: list[dict[str, Any]], plan: Plan, addresses: list[str],
-            directory: Path, port: int) -> None:
+            directory: Path, port: int, digits: bool) -> None:
     """Run one system's configurations on the worker hosts ``addresses``."""
     timeout = plan.timeout
-    argv = _rank_argv(system, configs, plan, directory, time.time() + timeout - 5)
+    argv = _rank_argv(system, configs, plan, directory, time.time() + timeout - 5, digits)
     n = len(addresses)
     if system == "ddp":
         commands = [host_command(i, argv, directory, addresses[i], {
@@ -201,8 +206,9 @@ def _server(address: str, workers: int, host: int) -> Any:
                            prefix=["ip", "netns", "exec", host_namespace(host)])
 
 
-def measure_link(plan: Plan, rate: str) -> list[Row]:
-    """Every system's rows on one link rate."""
+def measure_link(plan: Plan, rate: str, digits: bool = False) -> list[Row]:
+    """Every system's rows on one link rate: step times, or with ``digits`` accuracy
+    against training seconds on digits."""
     rows: list[Row] = []
     hosts = plan.ranks + (1 if plan.needs_server else 0)
     with emulated_hosts(hosts, rate, plan.latency_ms) as addresses:
@@ -220,12 +226,14 @@ def measure_link(plan: Plan, rate: str) -> list[Row]:
                     plan.progress(f"[{rate}] {system}: starting {len(configs)} "
                                   f"configuration(s) on {len(workers)} hosts")
                     _launch_with_progress(system, configs, plan, workers, directory,
-                                          29400 + index, rate)
+                                          29400 + index, rate, digits)
                     got = json.loads((directory / "rows.json").read_text())
+                widths = (64, plan.hidden, plan.hidden, 10) if digits else MODELS[plan.model]
                 for row in got:
                     row.update(system=system, link=rate, link_bits=rate_bits(rate),
-                               latency_ms=plan.latency_ms, ranks=plan.ranks, model=plan.model,
-                               parameters=parameter_count(MODELS[plan.model]),
+                               latency_ms=plan.latency_ms, ranks=plan.ranks,
+                               model="digits-mlp" if digits else plan.model,
+                               parameters=parameter_count(widths),
                                controller=None if system == "ddp" else plan.controller)
                     if row.get("settings", {}).get("ps", "allgather") != "allgather":
                         row["scheme"] += SERVER_SUFFIX
@@ -233,12 +241,16 @@ def measure_link(plan: Plan, rate: str) -> list[Row]:
         finally:
             if servers is not None:
                 servers.close()
-    add_speedups(rows)
+    if digits:
+        add_time_to_target(rows)
+    else:
+        add_speedups(rows)
     return rows
 
 
 def _launch_with_progress(system: str, configs: list[dict[str, Any]], plan: Plan,
-                          workers: list[str], directory: Path, port: int, rate: str) -> None:
+                          workers: list[str], directory: Path, port: int, rate: str,
+                          digits: bool) -> None:
     """:func:`_launch` on a thread while this one relays rank 0's latest step."""
     import threading
 
@@ -246,7 +258,7 @@ def _launch_with_progress(system: str, configs: list[dict[str, Any]], plan: Plan
 
     def target() -> None:
         try:
-            _launch(system, configs, plan, workers, directory, port)
+            _launch(system, configs, plan, workers, directory, port, digits)
         except BaseException as exc:  # handed to the caller below
             failure.append(exc)
 
@@ -264,6 +276,34 @@ def _launch_with_progress(system: str, configs: list[dict[str, Any]], plan: Plan
         raise failure[0]
 
 
+SPEEDUP_SCHEMES = ("onebit", "powersgd", "topk")
+"""The schemes whose speed-up at 100 Mbit/s has a target (8x Horovod, 4x DDP)."""
+
+WIRE_FACTORS = {"dense": "allreduce", "fp16": "allreduce", "P": "allreduce",
+                "Q": "allreduce", "values": "allreduce", "scatter": "alltoall",
+                "gather": "allgather", "sparse": "allgather"}
+"""How each round of hvd-compress travels (round names of :mod:`hvd_compress.schemes`)."""
+
+
+def expected_tx_bytes(row: Row) -> float | None:
+    """Bytes one host should send per step for what the optimizer handed its collectives:
+    a ring all-reduce sends ``2 (n-1)/n`` of its buffer, an all-to-all ``(n-1)/n``, a ring
+    all-gather ``n - 1`` times this rank's part; pairs pushed to a server once."""
+    handed = row.get("collective_bytes")
+    if not handed:
+        return None
+    n = row["ranks"]
+    factors = {"allreduce": 2 * (n - 1) / n, "alltoall": (n - 1) / n, "allgather": n - 1}
+    server = row.get("settings", {}).get("ps", "allgather") != "allgather"
+    total = 0.0
+    for round_name, nbytes in handed.items():
+        kind = WIRE_FACTORS.get(round_name)
+        if kind is None:
+            return None
+        total += nbytes * (1.0 if server and round_name == "sparse" else factors[kind])
+    return total
+
+
 def add_speedups(rows: list[Row]) -> None:
     """``speedup``: uncompressed Horovod's step time over the row's, on the same link;
     ``speedup_vs_ddp``: the same against DDP with no hook."""
@@ -277,16 +317,48 @@ def add_speedups(rows: list[Row]) -> None:
         row["speedup_vs_ddp"] = None if ddp is None else ddp / row["step_s"]
         row["bytes_per_step"] = row["tx_bytes_per_step"]
         row["spread"] = row["step_p90_s"] / row["step_s"]
+        expected = expected_tx_bytes(row)
+        row["expected_tx_bytes"] = expected
+        row["wire_ratio"] = None if not expected else row["bytes_per_step"] / expected
+
+
+ACCURACY_SLACK = 0.01
+"""The time-to-accuracy target: uncompressed Horovod's final test accuracy minus this."""
+
+
+def add_time_to_target(rows: list[Row]) -> None:
+    """``target_accuracy``: uncompressed Horovod's final accuracy (else the first
+    uncompressed run's) minus :data:`ACCURACY_SLACK`; ``time_to_target_s``: training
+    seconds until the row's first evaluation at or above it (``None``: never)."""
+    base = next((r for r in rows if r["system"] == "horovod" and r["scheme"] == "none"),
+                next((r for r in rows if r["scheme"] == "none"), None))
+    for row in rows:
+        target = None if base is None else base["final_accuracy"] - ACCURACY_SLACK
+        row["target_accuracy"] = target
+        row["time_to_target_s"] = None if target is None else next(
+            (s for s, a in zip(row["curve_s"], row["curve_accuracy"]) if a >= target), None)
 
 
 def run(plan: Plan) -> list[Row]:
+    """Step times on every rate of the plan, then (``accuracy_rate``) time to accuracy on
+    digits."""
     require_root("cluster")
-    for rate in plan.rates:
+    for rate in [*plan.rates, *filter(None, [plan.accuracy_rate])]:
         rate_bits(rate)
     rows: list[Row] = []
     for rate in plan.rates:
         rows += measure_link(plan, rate)
+    if plan.accuracy_rate and plan.epochs:
+        rows += measure_link(plan, plan.accuracy_rate, digits=True)
     return rows
+
+
+def step_rows(rows: Sequence[Row]) -> list[Row]:
+    return [r for r in rows if r.get("task") != "digits"]
+
+
+def accuracy_rows(rows: Sequence[Row]) -> list[Row]:
+    return [r for r in rows if r.get("task") == "digits"]
 
 
 # Reporting ---------------------------------------------------------------------------------
@@ -335,11 +407,26 @@ def targets(rows: Sequence[Row]) -> list[str]:
                     ok = r["step_s"] <= hook
                     lines.append(f"{'PASS' if ok else 'FAIL'}  {link}: {label(r)} "
                                  f"{r['step_s']:.3f} s <= DDP powerSGD_hook {hook:.3f} s")
-            if r["scheme"] != "none" and r["speedup"] is not None and \
-                    rate_bits(link) <= 1e8:
-                ok = r["speedup"] >= 8
-                lines.append(f"{'PASS' if ok else 'FAIL'}  {link}: {label(r)} "
-                             f"{r['speedup']:.1f}x vs uncompressed Horovod (target 8x)")
+            if r["scheme"].split(":")[0] in SPEEDUP_SCHEMES and rate_bits(link) <= 1e8:
+                for key, peer, goal in (("speedup", "uncompressed Horovod", 8),
+                                        ("speedup_vs_ddp", "DDP with no hook", 4)):
+                    if r[key] is not None:
+                        ok = r[key] >= goal
+                        lines.append(f"{'PASS' if ok else 'FAIL'}  {link}: {label(r)} "
+                                     f"{r[key]:.1f}x vs {peer} (target {goal}x)")
+            if r["scheme"].startswith("powersgd"):
+                hook = next((h for h in rows if h["system"] == "ddp" and h["link"] == link
+                             and h["scheme"] == r["scheme"]), None)
+                if hook is not None:
+                    ok = r["spread"] <= hook["spread"]
+                    lines.append(f"{'PASS' if ok else 'FAIL'}  {link}: {label(r)} spread "
+                                 f"(p90/median) {r['spread']:.2f} <= DDP powerSGD_hook's "
+                                 f"{hook['spread']:.2f}")
+            if r.get("wire_ratio") is not None:
+                ok = abs(r["wire_ratio"] - 1) <= 0.1
+                lines.append(f"{'PASS' if ok else 'FAIL'}  {link}: {label(r)} bytes sent "
+                             f"{r['bytes_per_step'] / 1e6:.3f} MB = {r['wire_ratio']:.3f} x "
+                             "what its collectives should send (target within 10%)")
         ours = step("hvd-compress", "none", link)
         ddp = step("ddp", "none", link)
         if ours is not None and ddp is not None and rate_bits(link) >= 1e10:
@@ -380,16 +467,79 @@ def plot_steps(rows: Sequence[Row], path: Path) -> None:
     plt.close(fig)
 
 
+def accuracy_markdown(rows: Sequence[Row]) -> str:
+    """One line per (system, scheme): final accuracy and seconds to the target."""
+    lines = ["| system | scheme | final test accuracy | seconds to target | epochs |",
+             "|---|---|---:|---:|---:|"]
+    for r in rows:
+        reached = "never" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.1f}"
+        lines.append(f"| {r['system']} | `{r['scheme']}` | {100 * r['final_accuracy']:.2f}% "
+                     f"| {reached} | {r['epochs']} |")
+    return "\n".join(lines)
+
+
+def accuracy_targets(rows: Sequence[Row]) -> list[str]:
+    base = next((r for r in rows if r["system"] == "horovod" and r["scheme"] == "none"), None)
+    if base is None or base["time_to_target_s"] is None:
+        return []
+    lines = [f"FAIL  {r['link']} digits: {label(r)}: replicas differ after training"
+             for r in rows if not r["replicas_agree"]]
+    for r in rows:
+        if r["system"] == "hvd-compress" and r["scheme"] != "none":
+            got = r["time_to_target_s"]
+            ok = got is not None and got < base["time_to_target_s"]
+            shown = "never" if got is None else f"{got:.1f} s"
+            lines.append(f"{'PASS' if ok else 'FAIL'}  {r['link']} digits: {label(r)} reaches "
+                         f"{100 * r['target_accuracy']:.2f}% in {shown}, before uncompressed "
+                         f"Horovod ({base['time_to_target_s']:.1f} s)")
+    return lines
+
+
+def plot_accuracy(rows: Sequence[Row], path: Path) -> None:
+    """Test accuracy against training seconds, one line per (system, scheme)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    styles = {"ddp": "--", "horovod": ":", "hvd-compress": "-"}
+    for r in rows:
+        ax.plot(r["curve_s"], [100 * a for a in r["curve_accuracy"]],
+                styles.get(r["system"], "-"), marker=".", label=label(r))
+    if rows and rows[0].get("target_accuracy") is not None:
+        ax.axhline(100 * rows[0]["target_accuracy"], color="grey", linewidth=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("training seconds (log)")
+    ax.set_ylabel("test accuracy, %")
+    ax.set_ylim(80, 100)
+    first = rows[0]
+    ax.set_title(f"digits, {first['ranks']} emulated hosts at {first['link']}, MLP "
+                 f"64-{first['hidden']}-{first['hidden']}-10")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def summary(rows: Sequence[Row]) -> str:
-    out = [markdown(rows), "", "Settings:"]
+    steps, accuracy = step_rows(rows), accuracy_rows(rows)
+    out = [markdown(steps), "", "Settings:"] if steps else ["Settings:"]
     for system, scheme in dict.fromkeys((r["system"], r["scheme"]) for r in rows):
         r = next(r for r in rows if r["system"] == system and r["scheme"] == scheme)
         extra = f", controller {r['controller']}" if r.get("controller") else ""
         out.append(f"- {system} {scheme}: {json.dumps(r['settings'])}{extra}")
-    lines = targets(rows)
+    if accuracy:
+        first = accuracy[0]
+        out += ["", f"Time to accuracy on digits at {first['link']} (target: uncompressed "
+                f"Horovod's final accuracy minus {100 * ACCURACY_SLACK:g} point):", "",
+                accuracy_markdown(accuracy)]
+    lines = targets(steps) + accuracy_targets(accuracy)
     if lines:
         out += ["", "Targets:", *lines]
-    spreads = [f"{label(r)} @ {r['link']}: {r['spread']:.2f}" for r in rows]
-    out += ["", "Spread (p90 / median): " + "; ".join(spreads)]
+    if steps:
+        spreads = [f"{label(r)} @ {r['link']}: {r['spread']:.2f}" for r in steps]
+        out += ["", "Spread (p90 / median): " + "; ".join(spreads)]
     return "\n".join(out)
 

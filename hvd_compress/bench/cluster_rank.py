@@ -81,10 +81,10 @@ class _System:
             hvd.init()
             self.rank, self.size = hvd.rank(), hvd.size()
 
-    def wrap(self, model: nn.Module, config: dict[str, Any]
-             ) -> tuple[nn.Module, torch.optim.Optimizer, dict[str, Any]]:
+    def wrap(self, model: nn.Module, config: dict[str, Any], lr: float = 0.01,
+             momentum: float = 0.0) -> tuple[nn.Module, torch.optim.Optimizer, dict[str, Any]]:
         """The model to run forward, the optimizer to step, and the settings used."""
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
         scheme = config["scheme"]
         if self.name == "ddp":
             return self._ddp(model, optimizer, scheme)
@@ -190,6 +190,7 @@ def run_config(system: _System, widths: Sequence[int], config: dict[str, Any], s
     loss_fn = nn.CrossEntropyLoss()
     times: list[float] = []
     phases = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+    exchange: dict[str, float] = {}  # hvd-compress's own breakdown (StepStats.seconds)
     tx0 = rx0 = 0
     cpu0 = 0.0
     for step in range(warmup + steps):
@@ -211,6 +212,10 @@ def run_config(system: _System, widths: Sequence[int], config: dict[str, Any], s
         phases["forward"] += forwarded - start
         phases["backward"] += backwarded - forwarded
         phases["step"] += end - backwarded
+        stats = getattr(optimizer, "compression_stats", None)
+        if stats is not None and step >= warmup:
+            for part, spent in stats.seconds.items():
+                exchange[part] = exchange.get(part, 0.0) + spent
         progress(f"{config['scheme']} step {step + 1}/{warmup + steps} {times[-1]:.3f} s")
     tx1, rx1 = interface_bytes()
     cpu = (_cpu_seconds() - cpu0) / steps
@@ -223,12 +228,63 @@ def run_config(system: _System, widths: Sequence[int], config: dict[str, Any], s
            "tx_bytes_per_step": (tx1 - tx0) / steps, "rx_bytes_per_step": (rx1 - rx0) / steps,
            "cpu_s_per_step": cpu,
            "phases_s": {name: total / steps for name, total in phases.items()},
+           "exchange_s": {part: total / steps for part, total in exchange.items()},
            "replicas_agree": agree, **_stats(optimizer)}
-    if system.name == "ddp":
-        import torch.distributed as dist
-
-        dist.barrier()  # every rank leaves this configuration before the next one is built
     return row
+
+
+DIGITS_LR, DIGITS_MOMENTUM, DIGITS_BATCH = 0.1, 0.5, 32
+"""Plain SGD on digits for every system: the global batch is 32 per rank."""
+
+
+def digits_shard(rank: int, size: int) -> tuple[torch.Tensor, ...]:
+    """scikit-learn's digits (1797 8x8 images, scaled to [0, 1]), split 80/20 with a fixed
+    seed; this rank's share of the training set, and the whole test set."""
+    import numpy as np
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    x_train, x_test, y_train, y_test = train_test_split(
+        digits.data.astype(np.float32) / 16.0, digits.target.astype(np.int64),
+        test_size=0.2, random_state=0, stratify=digits.target)
+    return (torch.from_numpy(x_train[rank::size]), torch.from_numpy(y_train[rank::size]),
+            torch.from_numpy(x_test), torch.from_numpy(y_test))
+
+
+def run_digits(system: _System, hidden: int, config: dict[str, Any], epochs: int,
+               progress: Callable[[str], None]) -> dict[str, Any]:
+    """Train ``64-hidden-hidden-10`` on digits for ``epochs``; after each epoch, the
+    training seconds so far (evaluation not counted) and the test accuracy."""
+    x_train, y_train, x_test, y_test = digits_shard(system.rank, system.size)
+    model = make_model((64, hidden, hidden, 10))
+    forward, optimizer, settings = system.wrap(model, config, DIGITS_LR, DIGITS_MOMENTUM)
+    steps = (1437 // system.size) // DIGITS_BATCH  # the same number on every rank
+    order = torch.Generator().manual_seed(system.rank)
+    loss_fn = nn.CrossEntropyLoss()
+    seconds, curve = 0.0, []
+    for epoch in range(epochs):
+        perm = torch.randperm(len(x_train), generator=order)
+        model.train()
+        start = time.perf_counter()
+        for step in range(steps):
+            batch = perm[step * DIGITS_BATCH:(step + 1) * DIGITS_BATCH]
+            optimizer.zero_grad()
+            loss_fn(forward(x_train[batch]), y_train[batch]).backward()
+            optimizer.step()
+        seconds += time.perf_counter() - start
+        model.eval()
+        with torch.no_grad():
+            accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
+        curve.append((seconds, accuracy))
+        progress(f"{config['scheme']} digits epoch {epoch + 1}/{epochs} "
+                 f"{seconds:.1f} s, accuracy {accuracy:.4f}")
+    return {"scheme": config["scheme"], "task": "digits", "settings": settings,
+            "hidden": hidden, "epochs": epochs, "steps_per_epoch": steps,
+            "lr": DIGITS_LR, "momentum": DIGITS_MOMENTUM,
+            "curve_s": [c[0] for c in curve], "curve_accuracy": [c[1] for c in curve],
+            "final_accuracy": curve[-1][1], "replicas_agree": system.replicas_agree(model),
+            **_stats(optimizer)}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -243,6 +299,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--stacks-at", type=float, required=True,
                         help="write every thread's Python stack at this time.time()")
     parser.add_argument("--stacks-dir", type=Path, required=True)
+    parser.add_argument("--digits-epochs", type=int, default=0,
+                        help="train on digits for this many epochs instead of timing steps")
+    parser.add_argument("--digits-hidden", type=int, default=1024)
     args = parser.parse_args(argv)
     rank_hint = os.environ.get("HOROVOD_RANK") or os.environ.get("RANK") \
         or os.environ.get("OMPI_COMM_WORLD_RANK", "x")
@@ -257,8 +316,13 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     rows = []
     for config in json.loads(args.configs):
-        rows.append(run_config(system, MODELS[args.model], config, args.steps, args.warmup,
-                               progress))
+        if args.digits_epochs:
+            rows.append(run_digits(system, args.digits_hidden, config, args.digits_epochs,
+                                   progress))
+        else:
+            rows.append(run_config(system, MODELS[args.model], config, args.steps,
+                                   args.warmup, progress))
+        system.barrier(f"{config['scheme']}.done")
         if system.rank == 0:
             args.out.write_text(json.dumps(rows, indent=2))
     faulthandler.cancel_dump_traceback_later()
