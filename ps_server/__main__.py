@@ -89,12 +89,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--deadline must be positive, got {args.deadline}")
     if args.checkpoint_every < 1:
         p.error(f"--checkpoint-every must be at least 1, got {args.checkpoint_every}")
+    for option, path in (("--token-file", args.token_file), ("--tls-cert", args.tls_cert),
+                         ("--tls-key", args.tls_key)):
+        if path is not None and (problem := _unreadable(path)):
+            p.error(f"{option} {path}: {problem}")
+    if args.token_file is not None and not args.token_file.read_bytes().strip():
+        p.error(f"--token-file {args.token_file} is empty")
     return args
+
+
+def _unreadable(path: Path) -> str | None:
+    """Why ``path`` cannot be read as a file, or ``None`` when it can."""
+    if not path.exists():
+        return "no such file"
+    if not path.is_file():
+        return "not a regular file"
+    try:
+        with path.open("rb"):
+            pass
+    except OSError as err:
+        return f"cannot be read ({err.strerror or err})"
+    return None
 
 
 def _token(args: argparse.Namespace) -> str | None:
     if args.token_file is not None:
-        token = args.token_file.read_text().strip()
+        try:
+            token = args.token_file.read_text().strip()
+        except (OSError, UnicodeDecodeError) as err:
+            raise SystemExit(f"hvd-ps-server: cannot read --token-file {args.token_file}: "
+                             f"{err}") from None
         if not token:
             raise SystemExit(f"hvd-ps-server: token file {args.token_file} is empty")
         return token

@@ -136,9 +136,69 @@ def test_error_feedback_loses_nothing(spec: str) -> None:
 def test_parse_rejects_unknown_names_and_options() -> None:
     assert Compression.parse("qsgd:bits=8,bucket_size=256").bits == 8
     assert Compression.parse("fp16") is Compression.fp16
-    with pytest.raises(ValueError, match="unknown compression scheme 'zip'"):
+    with pytest.raises(ValueError, match="unknown compression scheme 'zip'") as unknown:
         Compression.parse("zip")
+    assert "choose from none, fp16, bf16, onebit, qsgd, terngrad, powersgd, topk, randomk, " \
+        "dgc" in str(unknown.value)
     with pytest.raises(ValueError, match="takes no options"):
         Compression.parse("fp16:bits=3")
-    with pytest.raises(TypeError):
+    with pytest.raises(ValueError, match=r"scheme 'onebit' has no option 'levels'.*"
+                                         r"its options are bucket_size$"):
         Compression.parse("onebit:levels=3")
+
+
+def test_parse_lists_the_options_of_a_misspelt_one() -> None:
+    with pytest.raises(ValueError) as err:
+        Compression.parse("qsgd:bit=4")
+    assert "no option 'bit'" in str(err.value)
+    assert "its options are bits, bucket_size, norm, error_feedback" in str(err.value)
+    with pytest.raises(ValueError, match="ratio, momentum, clip_norm, warmup_steps, "
+                                         "sample_ratio, values"):
+        Compression.parse("dgc:ratios=0.1")
+
+
+@pytest.mark.parametrize(("spec", "option", "value", "expected"), [
+    ("qsgd:bits=abc", "bits", "'abc'", "an integer (int)"),
+    ("qsgd:bits=4.0", "bits", "'4.0'", "an integer (int)"),
+    ("qsgd:bits=True", "bits", "'True'", "an integer (int)"),
+    ("qsgd:norm=2", "norm", "'2'", "a string (str)"),
+    ("qsgd:error_feedback=maybe", "error_feedback", "'maybe'", "True or False (bool)"),
+    ("topk:ratio=half", "ratio", "'half'", "a number (float)"),
+    ("dgc:clip_norm=big", "clip_norm", "'big'", "a number (float) or None"),
+    ("powersgd:warm_start=1", "warm_start", "'1'", "True or False (bool)"),
+])
+def test_parse_names_option_value_and_type_of_a_wrong_value(spec: str, option: str, value: str,
+                                                            expected: str) -> None:
+    with pytest.raises(ValueError) as err:
+        Compression.parse(spec)
+    message = str(err.value)
+    assert f"option {option!r} must be {expected}, got {value}" in message, message
+    assert spec in message
+
+
+def test_parse_accepts_every_option_type() -> None:
+    qsgd = Compression.parse("qsgd:bits=3,bucket_size=64,norm=l2,error_feedback=true")
+    assert (qsgd.bits, qsgd.bucket_size, qsgd.norm, qsgd.error_feedback) == (3, 64, "l2", True)
+    assert Compression.parse("qsgd:norm='max',error_feedback=False").norm == "max"
+    dgc = Compression.parse("dgc:ratio=0.01,clip_norm=None,values=fp16,warmup_steps=5")
+    assert (dgc.ratio, dgc.clip_norm, dgc.values, dgc.warmup_steps) == (0.01, None, "fp16", 5)
+    assert Compression.parse("dgc:clip_norm=2").clip_norm == 2
+    assert Compression.parse("topk:ratio=1").ratio == 1  # an int is a number
+    assert Compression.parse(" QSGD : bits=8 ").bits == 8
+    with pytest.raises(ValueError, match="'bits' is given twice"):
+        Compression.parse("qsgd:bits=2,bits=4")
+    with pytest.raises(ValueError, match="not key=value"):
+        Compression.parse("qsgd:bits")
+    with pytest.raises(ValueError, match=r"bits must be 2\.\.8"):  # the range: the scheme's own
+        Compression.parse("qsgd:bits=9")
+
+
+def test_ready_made_schemes_called_are_themselves() -> None:
+    for scheme in (Compression.none, Compression.fp16, Compression.bf16):
+        assert scheme() is scheme
+    assert Compression.fp16().compress(torch.ones(2))[0].dtype == torch.float16
+    assert repr(Compression.none()) == "Compression.none"
+    with pytest.raises(TypeError, match=r"Compression\.fp16 takes no options, got bits=3"):
+        Compression.fp16(bits=3)
+    with pytest.raises(TypeError, match=r"Compression\.bf16 takes no options, got 2"):
+        Compression.bf16(2)

@@ -14,7 +14,13 @@ import torch
 
 from hvd_compress.comm.base import Communicator
 from hvd_compress.comm.ops import Collective, SparseSum, sum_pairs
-from hvd_compress.comm.ps_client import MPIPSClient, PendingRound, PSClient
+from hvd_compress.comm.ps_client import (
+    ACCEPTED_FORMS,
+    MPIPSClient,
+    PendingRound,
+    PSClient,
+    parse_addresses,
+)
 
 PS_ENV = "HVD_COMPRESS_PS"
 """Where the servers are when ``ps=`` is not given: ``grpc://h:p,h:p``, ``grpcs://...``
@@ -42,9 +48,27 @@ def init_mpi_workers() -> Any:
     return _mpi_client.comm
 
 
+def check_spec(spec: str, origin: str = "ps") -> str:
+    """``spec`` checked for syntax only (nothing is contacted): ``"mpi"``, or the servers'
+    addresses as :func:`~hvd_compress.comm.ps_client.parse_addresses` accepts them.
+
+    Returns it stripped (``"mpi"`` in lower case). Raises ``ValueError`` naming the bad
+    address and the accepted forms, ``TypeError`` when ``spec`` is not a string; ``origin``
+    names where it came from in the message (``"ps"``, or ``"$HVD_COMPRESS_PS"``).
+    """
+    if not isinstance(spec, str):
+        raise TypeError(f"{origin} must be a string, {ACCEPTED_FORMS}; got "
+                        f"{type(spec).__name__} {spec!r}")
+    spec = spec.strip()
+    if spec.lower() == "mpi":
+        return "mpi"
+    parse_addresses(spec, origin)
+    return spec
+
+
 def connect(spec: str, worker: int) -> PSClient | MPIPSClient:
     """The client for ``spec`` (see :data:`PS_ENV`), as worker ``worker``."""
-    if spec.strip().lower() == "mpi":
+    if check_spec(spec) == "mpi":
         if _mpi_client is None:
             raise RuntimeError("ps='mpi' needs the MPI connection to the servers first: call "
                                "hvd_compress.torch.init(ps='mpi') (or, with TensorFlow, "

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import re
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -62,22 +63,71 @@ def shard_bounds(numel: int, shards: int) -> list[int]:
     return [s * numel // shards for s in range(shards + 1)]
 
 
-def parse_addresses(spec: str | Sequence[str]) -> tuple[list[str], bool]:
-    """``"grpc://h:p,h:p"`` (or ``grpcs://`` for TLS, or a list) -> (["h:p", ...], tls)."""
+ACCEPTED_FORMS = ("'grpc://host:port[,host:port...]' (one address per shard, in shard order), "
+                  "'grpcs://host:port[,host:port...]' (TLS) or 'mpi'")
+"""The forms of a ``ps=`` spec, for error messages."""
+
+_HOST = re.compile(r"\[[0-9A-Fa-f:.]+(%[\w.-]+)?\]|[A-Za-z0-9_]([A-Za-z0-9._-]*[A-Za-z0-9_])?")
+
+
+def address_problem(address: str) -> str | None:
+    """What is wrong with ``HOST:PORT`` (no scheme), or ``None`` when it is well formed."""
+    if not address:
+        return "the address is empty"
+    host, sep, port = address.rpartition(":")
+    if not sep:
+        return "it has no port (HOST:PORT)"
+    if not port.isdigit():
+        return f"the port {port!r} is not a number"
+    if not 1 <= int(port) <= 65535:
+        return f"the port {port} is not in 1..65535"
+    if not host:
+        return "it has no host (HOST:PORT)"
+    if ":" in host and not host.startswith("["):
+        return f"an IPv6 host goes in brackets, [{host}]:{port}"
+    if not _HOST.fullmatch(host):
+        return f"the host {host!r} is not a host name or IP address"
+    return None
+
+
+def parse_addresses(spec: str | Sequence[str], origin: str | None = None
+                    ) -> tuple[list[str], bool]:
+    """``"grpc://h:p,h:p"`` (or ``grpcs://`` for TLS, or a list; a bare ``h:p`` is
+    ``grpc://``) -> (["h:p", ...], tls).
+
+    Raises ``ValueError`` naming the bad address and the accepted forms for anything else:
+    another scheme (``http://``), a port that is not a number in 1..65535, an empty
+    address, ``grpc://`` mixed with ``grpcs://``, or one address listed twice. ``origin``
+    (such as ``"ps"``) names where ``spec`` came from in the message.
+    """
     items = spec.split(",") if isinstance(spec, str) else list(spec)
-    tls = False
-    addresses = []
+    where = f"{origin}={spec!r}" if origin else repr(spec)
+    schemes: set[str] = set()
+    addresses: list[str] = []
     for item in (i.strip() for i in items):
-        for scheme in ("grpc://", "grpcs://"):
-            if item.startswith(scheme):
-                item, tls = item[len(scheme):], tls or scheme == "grpcs://"
-        if not item or ":" not in item:
-            raise ValueError(f"parameter server address must be HOST:PORT, got {item!r} "
-                             f"in {spec!r}")
-        addresses.append(item)
+        scheme, sep, rest = item.partition("://")
+        if sep:
+            if scheme.lower() not in ("grpc", "grpcs"):
+                raise ValueError(f"invalid parameter server address {item!r} in {where}: "
+                                 f"{scheme + '://'!r} is not supported; accepted forms: "
+                                 f"{ACCEPTED_FORMS}")
+            schemes.add(scheme.lower())
+        address = rest if sep else item
+        problem = address_problem(address)
+        if problem is not None:
+            raise ValueError(f"invalid parameter server address {item!r} in {where}: "
+                             f"{problem}; accepted forms: {ACCEPTED_FORMS}")
+        if address in addresses:
+            raise ValueError(f"parameter server address {address!r} is listed twice in "
+                             f"{where}; give each shard its own server")
+        addresses.append(address)
     if not addresses:
-        raise ValueError("no parameter server address given")
-    return addresses, tls
+        raise ValueError(f"no parameter server address given in {where}; accepted forms: "
+                         f"{ACCEPTED_FORMS}")
+    if len(schemes) > 1:
+        raise ValueError(f"{where} mixes grpc:// and grpcs://; every shard is reached the same "
+                         "way (grpcs:// for TLS)")
+    return addresses, schemes == {"grpcs"}
 
 
 @dataclass

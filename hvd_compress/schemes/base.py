@@ -10,7 +10,10 @@ only when the step succeeded. So a scheme can be run in one process, driven by h
 
 Schemes also present Horovod's ``Compressor`` interface (``compress``/``decompress``). Only
 the stateless, summable ones (no compression, float16) can honour it; every other scheme
-raises an error that says what to use instead.
+raises an error that says what to use instead. That error comes at the first backward pass
+with two or more processes: with one, Horovod 0.28.1's ``hvd.DistributedOptimizer``
+registers no gradient hooks and never calls the compressor (it only keeps a reference to
+it), so nothing of the scheme runs and the run is plain local training.
 """
 
 from __future__ import annotations

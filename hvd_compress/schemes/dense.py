@@ -8,7 +8,7 @@ faults and zeroing than the conversion itself.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -24,7 +24,24 @@ def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return native.empty(t.numel(), dtype, t.device).view(t.shape).copy_(t)
 
 
-class NoCompression(Scheme):
+_Same = TypeVar("_Same", bound="ReadyMade")
+
+
+class ReadyMade:
+    """A scheme without options, used as a ready-made object (``Compression.fp16``).
+
+    Calling it returns the object itself, so ``Compression.fp16()`` is ``Compression.fp16``
+    (the other schemes are classes, called with their options).
+    """
+
+    def __call__(self: _Same, *args: Any, **kwargs: Any) -> _Same:
+        if args or kwargs:
+            given = [*map(repr, args), *(f"{k}={v!r}" for k, v in kwargs.items())]
+            raise TypeError(f"{self!r} takes no options, got {', '.join(given)}")
+        return self
+
+
+class NoCompression(ReadyMade, Scheme):
     """Plain all-reduce in the tensor's own dtype; also the route for tensors sent dense."""
 
     name = "none"
@@ -37,6 +54,9 @@ class NoCompression(Scheme):
     def payload_bytes(self, shape: torch.Size) -> int:
         return 4 * shape.numel()
 
+    def __repr__(self) -> str:
+        return "Compression.none"
+
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
         return tensor, None
 
@@ -44,7 +64,7 @@ class NoCompression(Scheme):
         return tensor
 
 
-class FP16(Scheme):
+class FP16(ReadyMade, Scheme):
     """Send gradients as IEEE float16 and sum them in float16 (Horovod's all-reduce).
 
     Linear, so Horovod's ring all-reduce sums the payloads directly; 2 bytes per element,
@@ -85,7 +105,7 @@ class FP16(Scheme):
         return tensor if ctx is None else cast(tensor, ctx)
 
 
-class BF16(PackedScheme):
+class BF16(ReadyMade, PackedScheme):
     """Send gradients as bfloat16: float32's exponent range, 7 mantissa bits, 2x saving.
 
     Horovod 0.28.1's PyTorch collectives have no bfloat16 reduction, so the payloads go

@@ -10,21 +10,68 @@ from typing import Any
 
 import horovod.torch as hvd
 import torch
+from horovod.torch.compression import Compression as HorovodCompression
 
 from hvd_compress.comm.base import Communicator
 from hvd_compress.comm.horovod_torch import HorovodTorchCommunicator
 from hvd_compress.comm.parameter_server import (
     PS_ENV,
     ParameterServerCommunicator,
+    check_spec,
     connect,
     init_mpi_workers,
 )
+from hvd_compress.compression import Compression
 from hvd_compress.pipeline import Pipeline, StepStats
 from hvd_compress.policy import Policy
 from hvd_compress.schemes.base import Scheme
-from hvd_compress.schemes.dense import NoCompression
 
 STATE_KEY = "hvd_compress"
+
+
+HOROVOD_EQUIVALENTS: dict[Any, Scheme] = {
+    HorovodCompression.none: Compression.none,
+    HorovodCompression.fp16: Compression.fp16,
+}
+"""Horovod's own compressors (``horovod.torch.Compression``) and the scheme each means."""
+
+
+def resolve_compression(compression: Any) -> Scheme:
+    """The scheme for ``compression=``: a scheme of :class:`hvd_compress.Compression` as
+    it is, Horovod's ``hvd.Compression.none``/``hvd.Compression.fp16`` as
+    ``Compression.none``/``Compression.fp16``, ``None`` as ``Compression.none``; anything
+    else raises ``TypeError`` saying what is accepted."""
+    if compression is None:
+        return Compression.none
+    if isinstance(compression, Scheme):
+        return compression
+    for horovod_compressor, scheme in HOROVOD_EQUIVALENTS.items():
+        if compression is horovod_compressor or type(compression) is horovod_compressor:
+            return scheme
+    accepted = ("compression must be a scheme of hvd_compress.Compression (Compression.none, "
+                "Compression.fp16, Compression.qsgd(bits=4), Compression.parse('topk:ratio="
+                "0.01'), ...) or Horovod's own hvd.Compression.none or hvd.Compression.fp16")
+    if isinstance(compression, type) and issubclass(compression, Scheme):
+        raise TypeError(f"{accepted}; got the class {compression.__name__} itself: call it "
+                        f"with its options, e.g. Compression.{compression.name}()")
+    if isinstance(compression, str):
+        raise TypeError(f"{accepted}; got the string {compression!r}: use "
+                        f"Compression.parse({compression!r})")
+    kind = compression if isinstance(compression, type) else type(compression)
+    what = "the class" if isinstance(compression, type) else "an instance of"
+    raise TypeError(f"{accepted}; got {what} {kind.__module__}.{kind.__qualname__}")
+
+
+def resolve_ps(ps: str | None) -> str | None:
+    """The servers' spec for ``ps=`` (``$HVD_COMPRESS_PS`` when ``None``), checked for
+    syntax (see :func:`~hvd_compress.comm.parameter_server.check_spec`); ``None`` for
+    none (``ps=""`` turns the environment's servers off)."""
+    if ps is None:
+        env = os.environ.get(PS_ENV, "").strip()
+        return check_spec(env, f"${PS_ENV}") if env else None
+    if isinstance(ps, str) and not ps.strip():
+        return None
+    return check_spec(ps, "ps")
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -196,7 +243,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 def DistributedOptimizer(
     optimizer: torch.optim.Optimizer,
     named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
-    compression: Scheme | None = None,
+    compression: Any = None,
     backward_passes_per_step: int = 1,
     op: int = hvd.Average,
     gradient_predivide_factor: float = 1.0,
@@ -211,7 +258,9 @@ def DistributedOptimizer(
     bucket_mb: float | None = 64,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over all ranks and
-    exchanged with ``compression``.
+    exchanged with ``compression``: a scheme of :class:`hvd_compress.Compression` (default
+    ``Compression.none``), or Horovod's own ``hvd.Compression.none``/``hvd.Compression.fp16``,
+    which mean ``Compression.none``/``Compression.fp16``.
 
     The arguments and their meaning are those of ``horovod.torch.DistributedOptimizer``:
     communication starts from a hook as each gradient is accumulated, ``step()`` (or
@@ -232,7 +281,9 @@ def DistributedOptimizer(
             :func:`hvd_compress.torch.init`). Defaults to ``$HVD_COMPRESS_PS``; with neither,
             sparse pairs are summed by Horovod ``allgather`` (same frames, same sums). Every
             other collective goes through Horovod either way. The token is read from
-            ``$HVD_COMPRESS_PS_TOKEN``.
+            ``$HVD_COMPRESS_PS_TOKEN``. The syntax is checked here (``ValueError`` naming a
+            bad address and the accepted forms); the servers are contacted at the first
+            step that sends sparse pairs.
         bucket_mb: like DDP's ``bucket_cap_mb``, the size in MiB (of float32 gradients) of
             the buckets whose gradients are exchanged together. Parameters are assigned to
             buckets in reverse registration order (the order backward produces their
@@ -247,10 +298,7 @@ def DistributedOptimizer(
     Horovod's explicit ``groups``/``num_groups`` are not supported (Horovod's tensor fusion
     still batches small all-reduces), nor is ``op=hvd.Adasum``: both raise ``ValueError``.
     """
-    compression = compression if compression is not None else NoCompression()
-    if not isinstance(compression, Scheme):
-        raise TypeError(f"compression must be one of hvd_compress.Compression's schemes, got "
-                        f"{compression!r}")
+    compression = resolve_compression(compression)
     if op not in (hvd.Average, hvd.Sum):
         raise ValueError("op must be hvd.Average or hvd.Sum; Adasum does not compose with "
                          "gradient compression")
@@ -263,10 +311,9 @@ def DistributedOptimizer(
     if groups is not None or num_groups:
         raise ValueError("groups/num_groups are not supported by hvd_compress's optimizer; "
                          "omit them (Horovod's tensor fusion still batches small tensors)")
+    ps = resolve_ps(ps)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__))
-    if ps is None:
-        ps = os.environ.get(PS_ENV) or None
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step,
                op, gradient_predivide_factor, sparse_as_dense, policy, seed, process_set, ps,
                bucket_mb)
