@@ -27,7 +27,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -439,32 +440,45 @@ def targets(rows: Sequence[Row]) -> list[str]:
     return lines
 
 
-def plot_steps(rows: Sequence[Row], path: Path) -> None:
-    """Step time against link rate, one line per (system, scheme), log-log."""
+STYLES = {"ddp": "--", "horovod": ":", "hvd-compress": "-"}
+"""Line style of each system in the plots."""
+
+
+@contextmanager
+def _figure(path: Path, title: str) -> Iterator[Any]:
+    """A matplotlib axes to draw on, then saved to ``path`` as a PNG with ``title``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5.5))
-    styles = {"ddp": "--", "horovod": ":", "hvd-compress": "-"}
-    for system, scheme in dict.fromkeys((r["system"], r["scheme"]) for r in rows):
-        mine = sorted((r for r in rows if r["system"] == system and r["scheme"] == scheme),
-                      key=lambda r: r["link_bits"])
-        ax.plot([r["link_bits"] / 1e6 for r in mine], [r["step_s"] for r in mine],
-                styles.get(system, "-"), marker="o", label=f"{system} {scheme}")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("link rate, Mbit/s")
-    ax.set_ylabel("median step time, s")
+    try:
+        yield ax
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7, ncol=2)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)
+
+
+def plot_steps(rows: Sequence[Row], path: Path) -> None:
+    """Step time against link rate, one line per (system, scheme), log-log."""
     first = rows[0]
-    ax.set_title(f"{first['ranks']} emulated hosts, MLP {first['parameters'] / 1e6:.1f} M "
-                 "parameters")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    title = (f"{first['ranks']} emulated hosts, MLP {first['parameters'] / 1e6:.1f} M "
+             "parameters")
+    with _figure(path, title) as ax:
+        for system, scheme in dict.fromkeys((r["system"], r["scheme"]) for r in rows):
+            mine = sorted((r for r in rows if r["system"] == system and r["scheme"] == scheme),
+                          key=lambda r: r["link_bits"])
+            ax.plot([r["link_bits"] / 1e6 for r in mine], [r["step_s"] for r in mine],
+                    STYLES.get(system, "-"), marker="o", label=f"{system} {scheme}")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("link rate, Mbit/s")
+        ax.set_ylabel("median step time, s")
 
 
 def accuracy_markdown(rows: Sequence[Row]) -> str:
@@ -497,30 +511,20 @@ def accuracy_targets(rows: Sequence[Row]) -> list[str]:
 
 def plot_accuracy(rows: Sequence[Row], path: Path) -> None:
     """Test accuracy against training seconds, one line per (system, scheme)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5.5))
-    styles = {"ddp": "--", "horovod": ":", "hvd-compress": "-"}
-    for r in rows:
-        ax.plot(r["curve_s"], [100 * a for a in r["curve_accuracy"]],
-                styles.get(r["system"], "-"), marker=".", label=label(r))
-    if rows and rows[0].get("target_accuracy") is not None:
-        ax.axhline(100 * rows[0]["target_accuracy"], color="grey", linewidth=0.8)
-    ax.set_xscale("log")
-    ax.set_xlabel("training seconds (log)")
-    ax.set_ylabel("test accuracy, %")
-    ax.set_ylim(80, 100)
     first = rows[0]
-    ax.set_title(f"digits, {first['ranks']} emulated hosts at {first['link']}, MLP "
-                 f"64-{first['hidden']}-{first['hidden']}-10")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    title = (f"digits, {first['ranks']} emulated hosts at {first['link']}, MLP "
+             f"64-{first['hidden']}-{first['hidden']}-10")
+    with _figure(path, title) as ax:
+        for r in rows:
+            ax.plot(r["curve_s"], [100 * a for a in r["curve_accuracy"]],
+                    STYLES.get(r["system"], "-"), marker=".", label=label(r))
+        if first.get("target_accuracy") is not None:
+            ax.axhline(100 * first["target_accuracy"], color="grey", linewidth=0.8)
+        ax.set_xscale("log")
+        ax.set_xlabel("training seconds (log)")
+        ax.set_ylabel("test accuracy, %")
+        # From 15 points under the lowest final accuracy: the early epochs are off-scale.
+        ax.set_ylim(max(0.0, 100 * min(r["final_accuracy"] for r in rows) - 15), 100)
 
 
 def summary(rows: Sequence[Row]) -> str:
