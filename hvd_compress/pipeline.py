@@ -68,7 +68,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -210,20 +210,7 @@ def _all(requests: Sequence[Collective], kind: type[T]) -> list[T]:
     return typed
 
 
-Buffers = Callable[[int, torch.dtype, torch.device], torch.Tensor]
-"""``(numel, dtype, device) -> flat tensor`` to concatenate a fused request into."""
-
-
-def _concat(tensors: Sequence[torch.Tensor], buffers: Buffers | None) -> torch.Tensor:
-    flat = [t.reshape(-1) for t in tensors]
-    if buffers is None:
-        return torch.cat(flat)
-    out = buffers(sum(t.numel() for t in flat), flat[0].dtype, flat[0].device)
-    return torch.cat(flat, out=out)
-
-
-def fuse(requests: Sequence[Collective], rank: int, size: int, where: str,
-         buffers: Buffers | None = None) -> Collective:
+def fuse(requests: Sequence[Collective], rank: int, size: int, where: str) -> Collective:
     """One request carrying all of ``requests`` (equal :func:`fusion_key`), in order.
 
     * :class:`AllReduce`: the flattened tensors concatenated.
@@ -232,21 +219,18 @@ def fuse(requests: Sequence[Collective], rank: int, size: int, where: str,
     * :class:`AllToAll`: for each destination ``r``, every member's split ``r`` in turn;
       ``splits[r]`` is the members' total for ``r``.
 
-    The fused request's round is the members' distinct round names joined by ``+``. With
-    ``buffers`` the concatenation goes into the tensor it provides, and a fused all-reduce
-    may sum in place. The pipeline passes :func:`hvd_compress.native.buffers.empty`:
-    recycled memory, lent to one tensor and its views at a time, so a step touches no fresh
-    pages (a page fault per 4 KiB on first touch: tens of milliseconds per step for a
-    60 MB model on a CPU) and a result or state that is a view of a fused buffer keeps it
-    from being lent again.
+    The fused request's round is the members' distinct round names joined by ``+``. The
+    concatenation goes into recycled memory (:func:`hvd_compress.native.buffers.cat`), lent
+    to one tensor and its views at a time, and a fused all-reduce may sum in place into it,
+    so a step touches no fresh pages (a page fault per 4 KiB on first touch) and a result or
+    state that is a view of a fused buffer keeps it from being lent again.
     Raises :class:`RuntimeError` naming ``where`` if a member's sizes do not describe its
     own tensor (a scheme bug the unfused path would have hit in the collective).
     """
     round_name = "+".join(dict.fromkeys(r.round for r in requests))
     if isinstance(requests[0], AllReduce):
         reduces = _all(requests, AllReduce)
-        return AllReduce(round_name, _concat([r.tensor for r in reduces], buffers),
-                         inplace=buffers is not None)
+        return AllReduce(round_name, buffers.cat([r.tensor for r in reduces]), inplace=True)
     if isinstance(requests[0], AllGather):
         gathers = _all(requests, AllGather)
         known: list[tuple[int, ...]] = []
@@ -257,7 +241,7 @@ def fuse(requests: Sequence[Collective], rank: int, size: int, where: str,
                                    f"{r.sizes} for {size} ranks")
             known.append(r.sizes)
         sizes = tuple(sum(s[k] for s in known) for k in range(size))
-        return AllGather(round_name, _concat([r.tensor for r in gathers], buffers), sizes)
+        return AllGather(round_name, buffers.cat([r.tensor for r in gathers]), sizes)
     scatters = _all(requests, AllToAll)
     pieces = []
     for r in scatters:
@@ -266,7 +250,7 @@ def fuse(requests: Sequence[Collective], rank: int, size: int, where: str,
                                f"{r.tensor.numel()} elements but splits {list(r.splits)} for "
                                f"{size} ranks")
         pieces.append(torch.split(r.tensor.reshape(-1), list(r.splits)))
-    tensor = _concat([p[dest] for dest in range(size) for p in pieces], buffers)
+    tensor = buffers.cat([p[dest] for dest in range(size) for p in pieces])
     splits = tuple(sum(r.splits[dest] for r in scatters) for dest in range(size))
     return AllToAll(round_name, tensor, splits)
 
@@ -623,7 +607,7 @@ class Pipeline:
         else:
             name = fused_name(bucket.index, bucket.phase, names, requests)
             op = fuse(requests, self.comm.rank, self.comm.size,
-                      f"{bucket.describe()} ({name}, tensors {names})", buffers.empty)
+                      f"{bucket.describe()} ({name}, tensors {names})")
         handle = self.comm.start(name, op)
         self._current.collectives += 1
         self._current.seconds["fuse"] += time.perf_counter() - started

@@ -103,7 +103,8 @@ class Plan:
 
 
 class LaunchError(RuntimeError):
-    pass
+    """A system's ranks failed or overran the time limit; the message holds their output
+    and Python stacks."""
 
 
 def _run_direct(commands: list[list[str]], timeout: float, directory: Path,

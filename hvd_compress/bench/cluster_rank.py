@@ -177,7 +177,7 @@ def _stats(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         return {}
     return {"payload_bytes": stats.payload_bytes, "dense_bytes": stats.dense_bytes,
             "collective_bytes": dict(stats.collective_bytes),
-            "collectives": getattr(stats, "collectives", None)}
+            "collectives": stats.collectives}
 
 
 def run_config(system: _System, widths: Sequence[int], config: dict[str, Any], steps: int,

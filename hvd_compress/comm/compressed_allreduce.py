@@ -52,9 +52,9 @@ def compressed_allreduce(codec: PackedScheme, x: torch.Tensor,
     payload_sizes = tuple(p.numel() for p in payloads)
     sent = None
     if codec.error_feedback:
-        sent = _concat([codec.decode(p, n) for p, n in zip(payloads, sizes)]).view_as(x)
+        sent = buffers.cat([codec.decode(p, n) for p, n in zip(payloads, sizes)]).view_as(x)
 
-    received = yield AllToAll("scatter", _concat(payloads), payload_sizes)
+    received = yield AllToAll("scatter", buffers.cat(payloads), payload_sizes)
     mine = sizes[ctx.rank]
     chunk_sum = codec.decode(received[0], mine) if mine else flat.new_zeros(0)
     for payload in received[1:]:
@@ -71,12 +71,6 @@ def compressed_allreduce(codec: PackedScheme, x: torch.Tensor,
 
     gather_sizes = tuple(codec.chunk_bytes(n) for n in sizes)
     gathered = yield AllGather("gather", reencoded, gather_sizes)
-    aggregate = _concat([codec.decode(p, n) for p, n in zip(gathered, sizes)])
+    aggregate = buffers.cat([codec.decode(p, n) for p, n in zip(gathered, sizes)])
     return Outcome(aggregate.view_as(x), sent, sum(payload_sizes), new_state)
 
-
-def _concat(parts: list[torch.Tensor]) -> torch.Tensor:
-    """``torch.cat`` into recycled memory (:func:`hvd_compress.native.buffers.empty`): no
-    fresh pages to fault in every step."""
-    out = buffers.empty(sum(p.numel() for p in parts), parts[0].dtype, parts[0].device)
-    return torch.cat(parts, out=out)

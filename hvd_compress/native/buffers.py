@@ -87,3 +87,11 @@ def empty(numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") ->
 def pooled_bytes() -> int:
     """Bytes of memory the pool holds, lent or free."""
     return _POOL.pooled_bytes()
+
+
+def cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The flattened ``parts`` concatenated into :func:`empty` memory (a fresh tensor over
+    recycled pages on the CPU, so a step's concatenations fault in no new pages)."""
+    flat = [p.reshape(-1) for p in parts]
+    out = empty(sum(p.numel() for p in flat), flat[0].dtype, flat[0].device)
+    return torch.cat(flat, out=out)

@@ -99,12 +99,11 @@ class FP16(ReadyMade, Scheme):
 
     On a GPU the float16 payloads go through Horovod's ring all-reduce (NCCL sums float16
     fast). On a CPU they go through the compressed all-reduce (:class:`HalfPayload`): Horovod
-    sums float16 on a CPU element by element through float conversions, which made a 14.7 M
-    parameter model's step at 10 Gbit/s 2.4x slower than sending float32 (0.710 against
-    0.370 s on 4 emulated hosts), while bfloat16 through the compressed all-reduce took
-    0.392 s. Either way float16 keeps 10 mantissa bits and overflows above 65504: on the
-    ring a partial sum may overflow (``gradient_predivide_factor`` helps), on the CPU path
-    only a chunk's final sum, which is summed in float32.
+    sums float16 on a CPU element by element through float conversions, slower than it sends
+    float32 on a fast link (the README's cluster benchmark has the figures). Either way
+    float16 keeps 10 mantissa bits and overflows above 65504: on the ring a partial sum may
+    overflow (``gradient_predivide_factor`` helps), on the CPU path only a chunk's final sum,
+    which is summed in float32.
 
     Stateless, so it also works as ``compression=`` of Horovod's own
     ``hvd.DistributedOptimizer`` (Horovod's Compressor interface).
