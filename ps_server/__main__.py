@@ -19,7 +19,7 @@ import sys
 import threading
 from pathlib import Path
 
-from hvd_compress.comm.ps_client import TOKEN_ENV
+from hvd_compress.ps_protocol import TOKEN_ENV
 from ps_server.service import ShardService
 from ps_server.store import MODES, ShardStore
 
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.transport == "mpi":
         from mpi4py import MPI
 
-        from hvd_compress.comm.ps_client import split_world
+        from hvd_compress.ps_protocol import split_world
 
         world = MPI.COMM_WORLD
         _, _, servers, workers = split_world(world, "server", shard, shards)

@@ -1,6 +1,6 @@
 """The gRPC transport: ``Push`` and ``Pull`` over raw ``bytes``, no generated code.
 
-Methods of service :data:`~hvd_compress.comm.ps_client.GRPC_SERVICE` are unary-unary with
+Methods of service :data:`~hvd_compress.ps_protocol.GRPC_SERVICE` are unary-unary with
 a frame as request and response (``Push`` answers ``b"accepted"`` or ``b"duplicate"``).
 Refusals map to gRPC status codes with a message saying what is wrong. With a token, every
 call but the standard health service (``grpc.health.v1.Health``) must carry metadata
@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from hvd_compress.comm.ps_client import GRPC_SERVICE, TOKEN_METADATA
+from hvd_compress.ps_protocol import GRPC_SERVICE, TOKEN_METADATA
 from ps_server.service import ShardService
 from ps_server.store import RequestError
 

@@ -4,7 +4,7 @@ Launch, for example::
 
     mpirun -np 2 python worker.py : -np 1 python -m ps_server --transport mpi --workers 2
 
-Every rank first calls :func:`hvd_compress.comm.ps_client.split_world` (workers through
+Every rank first calls :func:`hvd_compress.ps_protocol.split_world` (workers through
 :class:`~hvd_compress.comm.ps_client.MPIPSClient`). The loop receives ``(op, frame)``
 requests, answers pushes at once and parks pulls until their round finishes or fails;
 it only ever touches MPI from one thread. It returns when every worker has said ``bye``.
@@ -16,8 +16,7 @@ import logging
 import time
 from typing import Any
 
-from hvd_compress.comm.base import poll_until
-from hvd_compress.comm.ps_client import MPI_REPLY_TAG, MPI_REQUEST_TAG
+from hvd_compress.ps_protocol import MPI_REPLY_TAG, MPI_REQUEST_TAG, poll_until
 from hvd_compress.sparse_wire import Frame
 from ps_server.service import ShardService
 from ps_server.store import RequestError

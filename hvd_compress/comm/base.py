@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 
 from hvd_compress.comm.ops import Collective
+from hvd_compress.ps_protocol import poll_until  # noqa: F401 (defined there, torch-free)
 
 
 class Communicator(Protocol):
@@ -37,17 +36,3 @@ def split_gathered(
         raise RuntimeError(f"all-gather returned {gathered.numel()} elements, "
                            f"expected {sum(sizes)} ({list(sizes)} per rank)")
     return list(torch.split(gathered, list(sizes)))
-
-
-def poll_until(ready: Callable[[], bool], longest_sleep: float = 5e-4) -> None:
-    """Return once ``ready()`` is true, sleeping between polls (1 µs, doubling up to
-    ``longest_sleep`` seconds, the most latency this adds).
-
-    Horovod's ``synchronize`` and a blocking MPI receive spin until their message arrives,
-    keeping a core busy that Horovod's background thread, the other ranks on the host and
-    the parameter-server client need; waiting through this function leaves it to them.
-    """
-    sleep = 1e-6
-    while not ready():
-        time.sleep(sleep)
-        sleep = min(2 * sleep, longest_sleep)

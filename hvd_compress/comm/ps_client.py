@@ -30,15 +30,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from hvd_compress.comm.base import poll_until
 from hvd_compress.comm.ops import sorted_pairs, wire_dtype
+from hvd_compress.ps_protocol import (
+    GRPC_SERVICE,
+    MPI_REPLY_TAG,
+    MPI_REQUEST_TAG,
+    TOKEN_ENV,
+    TOKEN_METADATA,
+    poll_until,
+    split_world,
+)
 from hvd_compress.sparse_wire import Kind, ValueDType, decode_frame, encode_frame
-
-GRPC_SERVICE = "hvd_compress.ps.ParameterServer"
-TOKEN_METADATA = "authorization"
-TOKEN_ENV = "HVD_COMPRESS_PS_TOKEN"
-MPI_REQUEST_TAG = 7301
-MPI_REPLY_TAG = 7302
 
 log = logging.getLogger("hvd_compress.ps_client")
 
@@ -335,35 +337,6 @@ class PSClient(_ShardedClient):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def split_world(world: Any, role: str, shard: int | None = None,
-                shards: int | None = None) -> tuple[Any, int, list[int], list[int]]:
-    """Collective over ``world``: split workers from servers and exchange who is who.
-
-    Every rank calls it once (workers through :class:`MPIPSClient`, servers through
-    ``python -m ps_server --transport mpi``). Returns ``(sub, index, servers, workers)``:
-    the communicator of this rank's role (workers pass it to ``hvd.init(comm=sub)``), this
-    rank's index in it (a worker's id; a server's default shard), the world rank of each
-    shard's server in shard order, and the world rank of each worker in worker-id order.
-    """
-    if role not in ("worker", "server"):
-        raise ValueError(f"role must be 'worker' or 'server', got {role!r}")
-    sub = world.Split(0 if role == "worker" else 1, world.Get_rank())
-    if role == "server":
-        shard = sub.Get_rank() if shard is None else shard
-        shards = sub.Get_size() if shards is None else shards
-    roles = world.allgather((role, shard, shards))
-    workers = [r for r, (who, _, _) in enumerate(roles) if who == "worker"]
-    by_shard = {s: r for r, (who, s, _) in enumerate(roles) if who == "server"}
-    counts = {n for who, _, n in roles if who == "server"}
-    if len(counts) != 1 or sorted(by_shard) != list(range(next(iter(counts)))) or \
-            len(by_shard) != sum(who == "server" for who, _, _ in roles):
-        raise ValueError(f"MPI server ranks must cover shards 0..N-1 once each with one N; "
-                         f"got (role, shard, N) by world rank: {roles}")
-    if not workers:
-        raise ValueError("no worker ranks in the MPI world")
-    return sub, sub.Get_rank(), [by_shard[s] for s in sorted(by_shard)], workers
 
 
 class MPIPSClient(_ShardedClient):

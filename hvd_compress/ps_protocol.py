@@ -1,0 +1,86 @@
+"""Names and envelopes shared by the parameter-server client and server (no torch).
+
+Imported by :mod:`hvd_compress.comm.ps_client` (workers) and :mod:`ps_server` (which must
+run without torch, TensorFlow or Horovod: numpy, grpcio, mpi4py and the native sparse
+kernels only). The frames themselves are :mod:`hvd_compress.sparse_wire`.
+
+gRPC
+    Service :data:`GRPC_SERVICE` with unary-unary methods ``Push`` and ``Pull``
+    (:data:`GRPC_PUSH`, :data:`GRPC_PULL`), raw frame ``bytes`` both ways; ``Push`` answers
+    ``b"accepted"`` or ``b"duplicate"``. With a token, every call except the standard
+    health service carries metadata ``authorization: Bearer <token>``
+    (:func:`token_metadata`); the token comes from ``$HVD_COMPRESS_PS_TOKEN``
+    (:data:`TOKEN_ENV`) when not given explicitly.
+MPI (MPMD ``mpirun``)
+    After :func:`split_world`, a worker sends pickled ``(op, frame)`` tuples with tag
+    :data:`MPI_REQUEST_TAG`, ``op`` one of :data:`MPI_OPS`; the server replies
+    ``(code, payload)`` with tag :data:`MPI_REPLY_TAG`, ``code`` :data:`MPI_OK` with the
+    reply bytes, or a gRPC status name with the error message.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+GRPC_SERVICE = "hvd_compress.ps.ParameterServer"
+GRPC_PUSH = f"/{GRPC_SERVICE}/Push"
+GRPC_PULL = f"/{GRPC_SERVICE}/Pull"
+PUSH_ACCEPTED = b"accepted"
+PUSH_DUPLICATE = b"duplicate"
+TOKEN_METADATA = "authorization"
+TOKEN_ENV = "HVD_COMPRESS_PS_TOKEN"
+MPI_REQUEST_TAG = 7301
+MPI_REPLY_TAG = 7302
+MPI_OPS = ("push", "pull", "bye")
+MPI_OK = "OK"
+
+
+def token_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """The gRPC call metadata carrying ``token`` (empty without a token)."""
+    return ((TOKEN_METADATA, f"Bearer {token}"),) if token else ()
+
+
+def poll_until(ready: Callable[[], bool], longest_sleep: float = 5e-4) -> None:
+    """Return once ``ready()`` is true, sleeping between polls (1 µs, doubling up to
+    ``longest_sleep`` seconds, the most latency this adds).
+
+    Horovod's ``synchronize`` and a blocking MPI receive spin until their message arrives,
+    keeping a core busy that Horovod's background thread, the other ranks on the host and
+    the parameter-server client need; waiting through this function leaves it to them.
+    """
+    sleep = 1e-6
+    while not ready():
+        time.sleep(sleep)
+        sleep = min(2 * sleep, longest_sleep)
+
+
+def split_world(world: Any, role: str, shard: int | None = None,
+                shards: int | None = None) -> tuple[Any, int, list[int], list[int]]:
+    """Collective over ``world``: split workers from servers and exchange who is who.
+
+    Every rank calls it once (workers through
+    :class:`~hvd_compress.comm.ps_client.MPIPSClient`, servers through
+    ``python -m ps_server --transport mpi``). Returns ``(sub, index, servers, workers)``:
+    the communicator of this rank's role (workers pass it to ``hvd.init(comm=sub)``), this
+    rank's index in it (a worker's id; a server's default shard), the world rank of each
+    shard's server in shard order, and the world rank of each worker in worker-id order.
+    """
+    if role not in ("worker", "server"):
+        raise ValueError(f"role must be 'worker' or 'server', got {role!r}")
+    sub = world.Split(0 if role == "worker" else 1, world.Get_rank())
+    if role == "server":
+        shard = sub.Get_rank() if shard is None else shard
+        shards = sub.Get_size() if shards is None else shards
+    roles = world.allgather((role, shard, shards))
+    workers = [r for r, (who, _, _) in enumerate(roles) if who == "worker"]
+    by_shard = {s: r for r, (who, s, _) in enumerate(roles) if who == "server"}
+    counts = {n for who, _, n in roles if who == "server"}
+    if len(counts) != 1 or sorted(by_shard) != list(range(next(iter(counts)))) or \
+            len(by_shard) != sum(who == "server" for who, _, _ in roles):
+        raise ValueError(f"MPI server ranks must cover shards 0..N-1 once each with one N; "
+                         f"got (role, shard, N) by world rank: {roles}")
+    if not workers:
+        raise ValueError("no worker ranks in the MPI world")
+    return sub, sub.Get_rank(), [by_shard[s] for s in sorted(by_shard)], workers
