@@ -51,7 +51,8 @@ def serve(service: ShardService, world: Any, workers: list[int], max_idle_sleep:
     While idle, the loop polls with a sleep growing from 10 µs to ``max_idle_sleep`` (a
     blocking probe would spin a core the workers on the host need, and every request may
     wait up to that long), and checks deadlines and parked pulls at most every 20 ms.
-    Replies are sent without blocking (see :class:`_Replies`).
+    Replies are sent without blocking (see :class:`_Replies`). With checkpoints, parked
+    pulls are also answered as soon as the journal writer has made their round durable.
     """
     from mpi4py import MPI
 
@@ -60,8 +61,11 @@ def serve(service: ShardService, world: Any, workers: list[int], max_idle_sleep:
     parked: list[tuple[int, Frame]] = []
     replies = _Replies(world)
     status = MPI.Status()
-    idle, next_tick = 0.0, 0.0
+    idle, next_tick, durable = 0.0, 0.0, service.store.durable_version
     while active:
+        if parked and service.store.durable_version != durable:  # the journal caught up
+            durable = service.store.durable_version
+            parked = _answer_parked(service, replies, parked)
         if not world.Iprobe(source=MPI.ANY_SOURCE, tag=MPI_REQUEST_TAG, status=status):
             if time.monotonic() >= next_tick:
                 service.tick()

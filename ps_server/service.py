@@ -2,66 +2,144 @@
 
 Transports hand over raw frames and get back raw frames or a :class:`RequestError`, whose
 ``code`` names the gRPC status to answer with (the MPI transport sends the name itself).
+
+With a checkpoint directory, a writer thread keeps the checkpoint (see
+:mod:`ps_server.checkpoint`) off the requests' path: it wakes when rounds finish, appends
+the rounds finished since its last write to the journal as one record, and only then lets
+their pulls be answered (:meth:`~ps_server.store.ShardStore.mark_durable`). Rounds that
+finish while it writes go into its next record, so under load one write covers many
+rounds. After ``checkpoint_every`` journaled rounds it writes a full snapshot instead and
+starts a new journal, which bounds the journal's length and the time a restart replays.
 """
 
 from __future__ import annotations
 
 import logging
+import struct
 import threading
 from typing import NoReturn
 
 from hvd_compress.sparse_wire import Frame, Kind, decode_frame
 from ps_server import checkpoint
 from ps_server.metrics import Metrics
-from ps_server.store import PullTimeout, RequestError, ShardStore
+from ps_server.store import JobSizeMismatch, PullTimeout, RequestError, ShardStore
 
 log = logging.getLogger("ps_server")
 
 ACCEPTED = b"accepted"
 DUPLICATE = b"duplicate"
+CHECKPOINT_EVERY = 2000
+"""Default rounds journaled between full snapshots. In ``scripts/demo.sh`` (2 workers,
+a few tensors) a snapshot costs about as much as a few hundred journal records, so at
+this interval snapshots are a small part of the checkpoint's cost, and a restart replays
+at most this many rounds (milliseconds)."""
 
 
 class ShardService:
-    """One shard's request handling on top of a :class:`ShardStore`."""
+    """One shard's request handling on top of a :class:`ShardStore`.
+
+    ``checkpoint_dir`` turns on the journal writer (see the module docstring) and makes the
+    store durable; ``fsync`` flushes each journal write to the disk. Call :meth:`restore`
+    once before serving and :meth:`close` at the end (it writes a final snapshot).
+    """
 
     def __init__(self, store: ShardStore, checkpoint_dir: str | None = None,
-                 checkpoint_every: int = 1) -> None:
+                 checkpoint_every: int = CHECKPOINT_EVERY, fsync: bool = False) -> None:
         if checkpoint_every < 1:
             raise ValueError(f"checkpoint interval must be at least 1 round, got "
                              f"{checkpoint_every}")
         self.store = store
-        self.every = checkpoint_every
+        self.every, self.fsync = checkpoint_every, fsync
         self.checkpoint = None if checkpoint_dir is None else checkpoint.path_for(
             checkpoint_dir, store.shard, store.shards)
         self.metrics = Metrics({"shard": f"{store.shard}/{store.shards}"}, self._gauges)
-        self._checkpoint_lock = threading.Lock()
+        self.generation = 0
+        self.journaled = 0  # rounds in the current journal
+        self.writes = self.snapshots = 0
+        self._journal: checkpoint.Journal | None = None
+        self._write_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._writer: threading.Thread | None = None
+        self._job_sizes_logged: set[tuple[str, int]] = set()
+        if self.checkpoint is not None:
+            store.durable = True
+            self._writer = threading.Thread(target=self._write_loop, name="checkpoint",
+                                            daemon=True)
 
     def restore(self) -> None:
-        """Resume from the checkpoint file if there is one."""
+        """Resume from the checkpoint (snapshot, then its journal) if there is one, write
+        the result as a fresh snapshot, and start the writer."""
         if self.checkpoint is None:
             return
+        config = {key: getattr(self.store, key) for key in ("workers", "shard", "shards",
+                                                             "mode")}
         snapshot = checkpoint.load(self.checkpoint)
-        if snapshot is None:
+        generation = 0
+        if snapshot is not None:
+            self.store.restore(snapshot)
+            generation = snapshot["generation"]
+        journal = checkpoint.journal_path(self.checkpoint, generation)
+        changes, torn = checkpoint.read_journal(journal, config)
+        replayed = self.store.replay(changes)
+        if snapshot is None and not changes:
             log.info("no checkpoint at %s: starting fresh", self.checkpoint)
+        else:
+            log.info("resumed from %s: open rounds %s (%d rounds replayed from the journal%s)",
+                     self.checkpoint, self.store.rounds(), replayed,
+                     f", {torn} bytes of a torn last write ignored" if torn else "")
+        self.generation = generation
+        self._snapshot()  # a clean start: new generation, stale journals deleted
+        for stale in self.checkpoint.parent.glob(f"{self.checkpoint.stem}.journal-*"):
+            if stale != self._journal.path:
+                stale.unlink()
+        self._writer.start()
+
+    def close(self) -> None:
+        """Stop the writer and write a final snapshot."""
+        if self._writer is None:
             return
-        self.store.restore(snapshot)
-        rounds = {name: t["round"] for name, t in snapshot["tensors"].items()}
-        log.info("resumed from %s: open rounds %s", self.checkpoint, rounds)
+        self._stopping = True
+        self._wake.set()
+        if self._writer.is_alive():
+            self._writer.join()
+        self.save_checkpoint()
+        if self._journal is not None:
+            self._journal.close()
+            self._journal = None
 
     # Requests ------------------------------------------------------------------------------
+    def check_job_size(self, workers: int, peer: str) -> None:
+        """Refuse a client whose job has ``workers`` workers when the server has another
+        ``--workers`` (logged once per peer and size)."""
+        if workers == self.store.workers:
+            return
+        err = JobSizeMismatch(f"the job has {workers} workers but this server was started "
+                              f"with --workers {self.store.workers}: restart the server "
+                              f"with --workers {workers}, or the job with "
+                              f"{self.store.workers} workers")
+        self.metrics.inc("hvd_ps_requests_total", method="any", outcome=err.code.lower())
+        if (peer, workers) not in self._job_sizes_logged:
+            self._job_sizes_logged.add((peer, workers))
+            log.error("refused %s: %s", peer, err)
+        raise err
+
     def push(self, data: bytes, peer: str, sender: int | None = None) -> bytes:
-        """Apply a push; answers ``accepted`` or ``duplicate`` (which changes nothing)."""
+        """Apply a push; answers ``accepted`` or ``duplicate`` (a retransmission, which
+        changes nothing)."""
         frame = self._decode(data, "push", peer, sender)
+        digest = struct.unpack_from("<I", data, len(data) - 4)[0]  # the frame's CRC
         try:
-            accepted = self.store.push(frame)
+            accepted = self.store.push(frame, digest, peer)
         except RequestError as err:
+            self.after_requests()
             self._reject("push", peer, err)
         outcome = "accepted" if accepted else "duplicate"
         self.metrics.inc("hvd_ps_requests_total", method="push", outcome=outcome)
         if accepted:
             log.debug("push accepted: %s (%d pairs) from %s", frame.where(), frame.count, peer)
         else:
-            log.info("duplicate push ignored: %s from %s", frame.where(), peer)
+            log.info("retransmitted push ignored: %s from %s", frame.where(), peer)
         self.after_requests()
         return ACCEPTED if accepted else DUPLICATE
 
@@ -86,22 +164,27 @@ class ShardService:
     def decode_pull(self, data: bytes, peer: str, sender: int | None = None) -> Frame:
         return self._decode(data, "pull", peer, sender)
 
+    def timed_out(self, frame: Frame, peer: str, timeout: float) -> NoReturn:
+        """Refuse a pull whose round is still open after ``timeout`` seconds."""
+        self._reject("pull", peer, PullTimeout(
+            f"{frame.where()}: round still open after {timeout:g} s (waiting for other "
+            "workers' pushes)"))
+
     def tick(self) -> None:
         """Fail rounds past their deadline and write due checkpoints."""
         self.store.expire()
         self.after_requests()
 
     def after_requests(self) -> None:
-        """Count finished rounds and write a checkpoint when one is due."""
-        due = False
-        for tensor, round, error in self.store.pop_events():
+        """Count finished rounds and wake the checkpoint writer when there are any."""
+        events = self.store.pop_events()
+        for tensor, round, error in events:
             name = "hvd_ps_rounds_failed_total" if error else "hvd_ps_rounds_closed_total"
             self.metrics.inc(name)
             if not error:
                 log.debug("round %d of tensor %r closed", round, tensor)
-            due = due or round % self.every == 0
-        if due:
-            self.save_checkpoint()
+        if self._writer is not None and (events or self.store.changes):
+            self._wake.set()
 
     def summary(self) -> str:
         """One line of totals for the log: rounds, pushes and bytes each way."""
@@ -112,12 +195,57 @@ class ShardService:
                 f"{m.value('hvd_ps_sent_bytes_total'):,.0f} bytes out")
 
     def save_checkpoint(self) -> None:
+        """Write a full snapshot now (and start a new journal)."""
         if self.checkpoint is None:
             return
-        with self._checkpoint_lock:  # snapshot inside the lock: later writes are newer
-            checkpoint.save(self.checkpoint, self.store.snapshot())
+        with self._write_lock:
+            self._snapshot()
+
+    def _write_loop(self) -> None:
+        while not self._stopping:
+            self._wake.wait()
+            self._wake.clear()
+            try:
+                self._write()
+            except Exception:  # keep serving; pulls of unwritten rounds time out
+                log.exception("checkpoint write to %s failed", self.checkpoint)
+
+    def _write(self) -> None:
+        """Journal the rounds finished since the last write, then release their pulls; a
+        full snapshot instead once ``every`` rounds are in the journal."""
+        with self._write_lock:
+            if self.journaled >= self.every:
+                self._snapshot()
+                return
+            changes, finished = self.store.take_changes()
+            if not changes:
+                return
+            checkpoint.fault_point("closed")
+            self._journal.append(changes)
+            checkpoint.fault_point("journal-written")
+            self.journaled += len(changes)
+            self.writes += 1
+            self.store.mark_durable(finished)
+
+    def _snapshot(self) -> None:
+        """Snapshot generation g + 1, switch to its journal, delete journal g (lock held)."""
+        snapshot, finished = self.store.snapshot_and_take()
+        generation = self.generation + 1
+        checkpoint.save(self.checkpoint, snapshot, generation)
+        old = self._journal
+        self._journal = checkpoint.Journal(
+            checkpoint.journal_path(self.checkpoint, generation),
+            {key: snapshot[key] for key in ("workers", "shard", "shards", "mode")},
+            self.fsync)
+        stale = checkpoint.journal_path(self.checkpoint, self.generation)
+        if old is not None:
+            old.close()
+        stale.unlink(missing_ok=True)
+        self.generation, self.journaled = generation, 0
+        self.snapshots += 1
+        self.store.mark_durable(finished)
         self.metrics.inc("hvd_ps_checkpoints_total")
-        log.debug("checkpoint written to %s", self.checkpoint)
+        log.debug("checkpoint snapshot %d written to %s", generation, self.checkpoint)
 
     # Internals -----------------------------------------------------------------------------
     def _decode(self, data: bytes, method: str, peer: str, sender: int | None) -> Frame:
@@ -137,6 +265,7 @@ class ShardService:
         return frame
 
     def _sent(self, result: bytes) -> bytes:
+        checkpoint.fault_point("answered")
         self.metrics.inc("hvd_ps_requests_total", method="pull", outcome="ok")
         self.metrics.inc("hvd_ps_sent_bytes_total", len(result))
         return result

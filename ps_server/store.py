@@ -13,12 +13,30 @@ pushes (float32, added in worker order, so the result does not depend on arrival
   is returned whole and ``e`` is kept, so workers detect it and skip the step.
 
 Round ``r + 1`` then opens. The last finished round's aggregate stays available to pulls.
-Pushes are idempotent on (worker, round, shard); rounds before the last finished one are
-stale, rounds after the open one are in the future: both are rejected. The first push or
-pull of a round starts its deadline; a round still missing workers when it passes fails
-with an error naming them, and the next round opens. The first push of an unknown tensor
-fixes its round and size; after a restore from a checkpoint, the first push may also move
-a tensor forward (workers may be ahead of the last checkpoint).
+A retransmitted push (same worker, round and content, told apart by the frame's CRC) is
+a no-op; a second push with *different* content for the same (worker, round) is a
+conflict: two ranks share a worker id, or a token holder pushed as another worker. The
+open round then fails with an error naming the worker and both peers, which the second
+sender gets at once (``ALREADY_EXISTS``) and every puller of the round gets as its error,
+so no worker applies a sum with one content or the other. Rounds before the last
+finished one are stale, rounds after the open one are in the future: both are rejected.
+The first push or pull of a round starts its deadline; a round still missing workers when
+it passes fails with an error naming them, and the next round opens. The first push of
+an unknown tensor fixes its round and size.
+
+Durability (``durable=True``, when the server keeps checkpoints): a finished round is
+queued as a change record (:meth:`ShardStore.take_changes`) and its aggregate is held
+back from pulls until the journal writer has written that record and called
+:meth:`ShardStore.mark_durable`. So any aggregate a worker has seen survives a crash of
+the server, and after a restart the server is at, or past, the round of every worker:
+the workers resume in agreement. Change records hold the round's *union sum* (not the
+top-k aggregate) so that :meth:`ShardStore.replay` recomputes the same aggregate and
+server residual through the same code as the live close.
+
+Idle expiry (``idle_timeout`` seconds, checked by :meth:`ShardStore.expire`): a tensor
+neither pushed nor pulled for that long is dropped with its residual, last aggregate and
+pending pushes, and one INFO line per session (the tensor name's part before ``/``) says
+how many tensors and bytes were freed.
 """
 
 from __future__ import annotations
@@ -26,6 +44,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,6 +90,34 @@ class PullTimeout(RequestError):
     code = "DEADLINE_EXCEEDED"
 
 
+class ConflictingPush(RequestError):
+    """A second push with different content for the same (worker, round)."""
+
+    code = "ALREADY_EXISTS"
+
+
+class JobSizeMismatch(RequestError):
+    """The client's job has a different number of workers than the server's --workers."""
+
+    code = "FAILED_PRECONDITION"
+
+
+@dataclass
+class Change:
+    """One journal record: round ``round`` of ``tensor`` finished (``sums`` are the union
+    indices and float32 sums of its pushes, ``k`` the most pairs a worker pushed), or
+    failed with ``error``; or, with ``dropped``, the tensor expired."""
+
+    tensor: str
+    round: int = 0
+    numel: int = 0
+    indices: np.ndarray | None = None
+    values: np.ndarray | None = None
+    k: int = 0
+    error: str | None = None
+    dropped: bool = False
+
+
 @dataclass
 class Finished:
     """The outcome of a finished round: pairs, or the error that failed it."""
@@ -80,6 +127,7 @@ class Finished:
     values: np.ndarray | None = None
     error: str | None = None
     encoded: dict[ValueDType, bytes] = field(default_factory=dict)
+    durable: bool = True  # False until the journal holds it; pulls wait until then
 
 
 @dataclass
@@ -87,22 +135,39 @@ class TensorState:
     numel: int
     round: int
     pushed: dict[int, Frame] = field(default_factory=dict)  # this round's, by worker
+    digests: dict[int, tuple[int, str]] = field(default_factory=dict)  # (CRC, peer)
+    last_digests: dict[int, tuple[int, str]] = field(default_factory=dict)
     opened: float | None = None
     residual: np.ndarray | None = None
     last: Finished | None = None
-    resumed: bool = False
+    touched: float = 0.0
+
+    def nbytes(self) -> int:
+        """Bytes of arrays this tensor holds (pushes, residual, last aggregate)."""
+        held = sum(f.indices.nbytes + f.values.nbytes for f in self.pushed.values())
+        if self.residual is not None:
+            held += self.residual.nbytes
+        last = self.last
+        if last is not None and last.indices is not None:
+            held += last.indices.nbytes + last.values.nbytes
+            held += sum(len(b) for b in last.encoded.values())
+        return held
 
 
 class ShardStore:
     """The state of one shard of every tensor, with the round state machine above.
 
-    Finished rounds are queued for :meth:`pop_events`, which the server drains to write
-    checkpoints and count rounds.
+    Finished rounds are queued for :meth:`pop_events`, which the server drains to count
+    rounds, and with ``durable`` also for :meth:`take_changes` (see the module docstring).
+    ``idle_timeout`` (seconds, None for never) expires tensors nobody used for that long.
+    Functions in ``listeners`` are called with a tensor's name (lock held: they must only
+    schedule work) whenever a pull of it may now have an answer.
     """
 
     def __init__(self, workers: int, shard: int, shards: int, mode: str = "union",
                  deadline: float = 120.0, max_numel: int = 1 << 28,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, durable: bool = False,
+                 idle_timeout: float | None = None) -> None:
         if workers < 1:
             raise ValueError(f"workers must be at least 1, got {workers}")
         if not 0 <= shard < shards:
@@ -111,42 +176,77 @@ class ShardStore:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if deadline <= 0:
             raise ValueError(f"deadline must be positive, got {deadline}")
+        if idle_timeout is not None and idle_timeout <= deadline:
+            raise ValueError(f"idle timeout must exceed the round deadline ({deadline:g} s), "
+                             f"got {idle_timeout:g} s")
         self.workers, self.shard, self.shards = workers, shard, shards
         self.mode, self.deadline, self.max_numel = mode, deadline, max_numel
-        self.clock = clock
+        self.clock, self.durable, self.idle_timeout = clock, durable, idle_timeout
         self.tensors: dict[str, TensorState] = {}
         self.closed_rounds = 0
         self.failed_rounds = 0
+        self.expired_tensors = 0
         self.events: list[tuple[str, int, str | None]] = []  # (tensor, round, error)
+        self.changes: list[Change] = []  # for the journal, when durable
+        self._undurable: list[tuple[str, Finished]] = []
+        self.listeners: list[Callable[[str], None]] = []
+        self.durable_version = 0  # counts mark_durable calls, for polling transports
         self._cond = threading.Condition()
 
     # Requests ------------------------------------------------------------------------------
-    def push(self, frame: Frame) -> bool:
-        """Add a worker's pairs to its round. True if accepted, False if a duplicate."""
+    def push(self, frame: Frame, digest: int | None = None, peer: str = "?") -> bool:
+        """Add a worker's pairs to its round. True if accepted, False if a retransmission.
+
+        ``digest`` identifies the content (the frame's CRC; computed from the pairs when
+        not given); ``peer`` names the sender in conflict errors.
+        """
         self._check(frame, Kind.PUSH)
+        if digest is None:
+            digest = zlib.crc32(frame.values.tobytes(), zlib.crc32(frame.indices.tobytes()))
         with self._cond:
             self._expire_locked()
             state = self.tensors.get(frame.tensor)
             if state is None:
                 state = self._register(frame)
             self._check_numel(state, frame)
-            if state.resumed and frame.round > state.round and not state.pushed:
-                log.info("tensor %r resumed at round %d (the checkpoint was at round %d)",
-                         frame.tensor, frame.round, state.round)
-                state.round, state.resumed, state.last = frame.round, False, None
-            r = frame.round
+            state.touched = self.clock()
+            r, w = frame.round, frame.worker
             if r == state.round:
-                if frame.worker in state.pushed:
+                if w in state.pushed:
+                    self._check_same(frame.tensor, state, r, w, digest, peer,
+                                     state.digests[w], open_round=True)
                     return False
                 self._add(state, frame)
+                state.digests[w] = (digest, peer)
                 if len(state.pushed) == self.workers:
                     self._close(frame.tensor, state)
                 return True
             if state.last is not None and r == state.last.round:
                 if state.last.error is not None:
                     raise RoundFailed(state.last.error)
+                first = state.last_digests.get(w)
+                if first is not None:
+                    self._check_same(frame.tensor, state, r, w, digest, peer, first,
+                                     open_round=False)
                 return False  # every worker pushed round r before it closed
             raise self._out_of_order(frame, state, "push")
+
+    def _check_same(self, tensor: str, state: TensorState, r: int, w: int, digest: int,
+                    peer: str, first: tuple[int, str], open_round: bool) -> None:
+        """Raise :class:`ConflictingPush` (failing the round if it is open) unless
+        ``digest`` matches the content worker ``w`` pushed first."""
+        if digest == first[0]:
+            return
+        where = f"round {r} of tensor {tensor!r} (shard {self.shard}/{self.shards})"
+        error = (f"{where}: worker {w} pushed twice with different content (first from "
+                 f"{first[1]}, then from {peer}): two ranks share worker id {w}, or a token "
+                 "holder pushed as that worker; give each rank its own id")
+        if open_round:
+            error += f"; the round failed and the server continues with round {r + 1}"
+            self._fail(tensor, state, error)
+        else:
+            error += "; the round had already closed with the first content"
+        raise ConflictingPush(error)
 
     def try_pull(self, frame: Frame) -> bytes | None:
         """The aggregate frame for ``frame.round``, or None while that round is open."""
@@ -173,9 +273,61 @@ class ShardStore:
                 self._cond.wait(max(min(give_up, opened + self.deadline) - now, 0.0) + 1e-3)
 
     def expire(self) -> None:
-        """Fail every open round whose deadline has passed."""
+        """Fail every open round whose deadline has passed; drop idle tensors."""
         with self._cond:
             self._expire_locked()
+            if self.idle_timeout is not None:
+                self._expire_idle_locked()
+
+    def take_changes(self) -> tuple[list[Change], list[tuple[str, Finished]]]:
+        """The change records since the last call, and the finished rounds they make
+        durable once written (pass those to :meth:`mark_durable`)."""
+        with self._cond:
+            changes, self.changes = self.changes, []
+            undurable, self._undurable = self._undurable, []
+            return changes, undurable
+
+    def mark_durable(self, finished: list[tuple[str, Finished]]) -> None:
+        """The journal holds these rounds: let their pulls be answered."""
+        if not finished:
+            return
+        with self._cond:
+            self.durable_version += 1
+            for tensor, f in finished:
+                f.durable = True
+                self._notify(tensor)
+
+    def replay(self, changes: list[Change]) -> int:
+        """Apply journal records on top of a restored snapshot; how many applied.
+
+        A record at or behind a tensor's open round minus one was already in the
+        snapshot and is skipped; one beyond the open round means the journal does not
+        belong to the snapshot (ValueError).
+        """
+        applied = 0
+        with self._cond:
+            for c in changes:
+                if c.dropped:
+                    applied += self.tensors.pop(c.tensor, None) is not None
+                    continue
+                state = self.tensors.get(c.tensor)
+                if state is None:
+                    state = self.tensors[c.tensor] = self._new_state(c.numel, c.round)
+                if c.round < state.round:
+                    continue
+                if c.round > state.round:
+                    raise ValueError(f"journal record for round {c.round} of tensor "
+                                     f"{c.tensor!r}, but the snapshot is at round "
+                                     f"{state.round}")
+                if c.error is not None:
+                    state.last = Finished(c.round, error=c.error)
+                else:
+                    state.last = Finished(c.round, *self._aggregate(state, c.indices,
+                                                                    c.values, c.k))
+                state.round += 1
+                state.touched = self.clock()
+                applied += 1
+        return applied
 
     def pop_events(self) -> list[tuple[str, int, str | None]]:
         """Rounds finished since the last call: (tensor, round, error or None)."""
@@ -184,6 +336,13 @@ class ShardStore:
             return events
 
     # State for checkpoints and metrics -----------------------------------------------------
+    def snapshot_and_take(self) -> tuple[dict[str, Any], list[tuple[str, Finished]]]:
+        """:meth:`snapshot` and :meth:`take_changes` at one instant: the snapshot holds
+        every queued change, so writing it makes the returned rounds durable."""
+        with self._cond:
+            _, undurable = self.take_changes()
+            return self.snapshot(), undurable
+
     def snapshot(self) -> dict[str, Any]:
         """Everything a restarted server needs: rounds, residuals, last aggregates."""
         with self._cond:
@@ -211,10 +370,11 @@ class ShardStore:
                              "--checkpoint-dir")
         with self._cond:
             self.tensors = {}
+            now = self.clock()
             for name, t in snapshot["tensors"].items():
                 last = t["last"]
                 self.tensors[name] = TensorState(
-                    numel=t["numel"], round=t["round"], residual=t["residual"], resumed=True,
+                    numel=t["numel"], round=t["round"], residual=t["residual"], touched=now,
                     last=None if last is None else Finished(
                         last["round"], last["indices"], last["values"], last["error"]))
 
@@ -222,6 +382,11 @@ class ShardStore:
         """The open round of every tensor."""
         with self._cond:
             return {name: s.round for name, s in self.tensors.items()}
+
+    def held_bytes(self) -> int:
+        """Bytes of arrays held for all tensors (pushes, residuals, last aggregates)."""
+        with self._cond:
+            return sum(s.nbytes() for s in self.tensors.values())
 
     # Internals (lock held) -----------------------------------------------------------------
     def _check(self, frame: Frame, kind: Kind) -> None:
@@ -239,11 +404,14 @@ class ShardStore:
             raise RequestError(f"{frame.where()}: shard of {frame.numel} elements exceeds "
                                f"the server's limit of {self.max_numel} (--max-shard-numel)")
 
-    def _register(self, frame: Frame) -> TensorState:
-        state = TensorState(numel=frame.numel, round=frame.round)
+    def _new_state(self, numel: int, round: int) -> TensorState:
+        state = TensorState(numel=numel, round=round, touched=self.clock())
         if self.mode == "topk":
-            state.residual = np.zeros(frame.numel, dtype=np.float32)
-        self.tensors[frame.tensor] = state
+            state.residual = np.zeros(numel, dtype=np.float32)
+        return state
+
+    def _register(self, frame: Frame) -> TensorState:
+        state = self.tensors[frame.tensor] = self._new_state(frame.numel, frame.round)
         log.info("tensor %r registered at round %d (%d elements in this shard)",
                  frame.tensor, frame.round, frame.numel)
         return state
@@ -261,11 +429,23 @@ class ShardStore:
     def _close(self, tensor: str, state: TensorState) -> None:
         pushes = [state.pushed[w] for w in sorted(state.pushed)]
         indices, values = sum_pushes(pushes, state.numel)
+        k = max(f.count for f in pushes)
+        state.last = Finished(state.round, *self._aggregate(state, indices, values, k),
+                              durable=not self.durable)
+        if self.durable:
+            self.changes.append(Change(tensor, state.round, state.numel, indices, values, k))
+            self._undurable.append((tensor, state.last))
+        self.closed_rounds += 1
+        self._finish(tensor, state, None)
+
+    def _aggregate(self, state: TensorState, indices: np.ndarray, values: np.ndarray,
+                   k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The round's aggregate from the union sum (updating the top-k residual)."""
         if self.mode == "topk":
             total = state.residual.copy()
             total[indices] += values
             if np.isfinite(total).all():
-                k = min(max(f.count for f in pushes), state.numel)
+                k = min(k, state.numel)
                 indices = np.sort(np.argpartition(-np.abs(total), k - 1)[:k]) if k else \
                     np.zeros(0, np.int64)
                 values = total[indices]
@@ -274,10 +454,32 @@ class ShardStore:
             else:
                 indices = np.arange(state.numel)
                 values = total
-        state.last = Finished(state.round, indices.astype(np.int64, copy=False),
-                              values.astype(np.float32, copy=False))
-        self.closed_rounds += 1
-        self._finish(tensor, state, None)
+        return indices.astype(np.int64, copy=False), values.astype(np.float32, copy=False)
+
+    def _fail(self, tensor: str, state: TensorState, error: str) -> None:
+        state.last = Finished(state.round, error=error, durable=not self.durable)
+        if self.durable:
+            self.changes.append(Change(tensor, state.round, state.numel, error=error))
+            self._undurable.append((tensor, state.last))
+        self.failed_rounds += 1
+        self._finish(tensor, state, error)
+
+    def _expire_idle_locked(self) -> None:
+        now = self.clock()
+        idle = [name for name, s in self.tensors.items()
+                if now - s.touched >= self.idle_timeout]
+        freed: dict[str, list[int]] = {}
+        for name in idle:
+            held = self.tensors.pop(name).nbytes()
+            session = freed.setdefault(name.split("/", 1)[0], [0, 0])
+            session[0] += 1
+            session[1] += held
+            if self.durable:
+                self.changes.append(Change(name, dropped=True))
+        self.expired_tensors += len(idle)
+        for session, (count, held) in freed.items():
+            log.info("session %r expired after %g s idle: freed %d tensor%s (%d bytes)",
+                     session, self.idle_timeout, count, "" if count == 1 else "s", held)
 
     def _expire_locked(self) -> None:
         now = self.clock()
@@ -294,17 +496,20 @@ class ShardStore:
                      f"{self.workers} pushed); the server continues with round "
                      f"{state.round + 1}")
             log.error("%s", error)
-            state.last = Finished(state.round, error=error)
-            self.failed_rounds += 1
-            self._finish(tensor, state, error)
+            self._fail(tensor, state, error)
 
     def _finish(self, tensor: str, state: TensorState, error: str | None) -> None:
         self.events.append((tensor, state.round, error))
         state.round += 1
         state.pushed = {}
+        state.last_digests, state.digests = state.digests, {}
         state.opened = None
-        state.resumed = False
+        self._notify(tensor)
+
+    def _notify(self, tensor: str) -> None:
         self._cond.notify_all()
+        for listener in self.listeners:
+            listener(tensor)
 
     def _try_pull_locked(self, frame: Frame) -> bytes | None:
         state = self.tensors.get(frame.tensor)
@@ -312,8 +517,11 @@ class ShardStore:
             raise UnknownTensor(f"{frame.where()}: no worker has pushed this tensor to this "
                                 "server (was the server restarted without a checkpoint?)")
         self._check_numel(state, frame)
+        state.touched = self.clock()
         last = state.last
         if last is not None and frame.round == last.round:
+            if not last.durable:
+                return None  # written to the journal first, then answered
             if last.error is not None:
                 raise RoundFailed(last.error)
             encoded = last.encoded.get(frame.dtype)

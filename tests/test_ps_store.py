@@ -9,6 +9,7 @@ from hvd_compress.sparse_wire import Kind, decode_frame, encode_frame
 from ps_server import checkpoint
 from ps_server.service import ACCEPTED, DUPLICATE, ShardService
 from ps_server.store import (
+    ConflictingPush,
     FutureRound,
     RequestError,
     RoundFailed,
@@ -131,10 +132,10 @@ def test_topk_mode_keeps_a_server_residual():
         np.testing.assert_allclose(service.store.tensors["w"].residual, residual, rtol=1e-6)
 
 
-def test_duplicate_push_is_ignored_and_rounds_are_checked():
+def test_retransmission_is_ignored_and_rounds_are_checked():
     service, _ = make(workers=2)
     assert service.push(push(0, 4, [1, 2], [1.0, 2.0]), "t") == ACCEPTED
-    assert service.push(push(0, 4, [1, 2], [5.0, 5.0]), "t") == DUPLICATE
+    assert service.push(push(0, 4, [1, 2], [1.0, 2.0]), "t") == DUPLICATE
     with pytest.raises(FutureRound, match="ahead of the server, which is at round 4"):
         service.push(push(1, 5, [1], [1.0]), "t")
     with pytest.raises(StaleRound, match="stale: the server is at round 4"):
@@ -189,8 +190,27 @@ def test_malformed_push_is_rejected_and_changes_nothing(bad):
     np.testing.assert_array_equal(dense(service.pull(pull(0), "t", 1.0))[[1, 3]], [1, 2])
 
 
+def test_a_different_second_push_fails_the_round_for_both_senders():
+    service, _ = make(workers=2)
+    service.push(push(0, 0, [1], [1.0]), "peer-a")
+    with pytest.raises(ConflictingPush, match=r"worker 0 pushed twice with different content "
+                       r"\(first from peer-a, then from peer-b\)"):
+        service.push(push(0, 0, [1], [9.0]), "peer-b")
+    with pytest.raises(RoundFailed, match="worker 0 pushed twice"):  # the first sender too
+        service.pull(pull(0), "peer-a", 1.0)
+    assert service.metrics.value("hvd_ps_rounds_failed_total") == 1
+    for w in range(2):  # the next round is clean
+        service.push(push(w, 1, [1], [1.0]), "t")
+    assert dense(service.pull(pull(1), "t", 1.0))[1] == 2.0
+    # After the close, an identical retransmission is a no-op, a different one an error.
+    assert service.push(push(1, 1, [1], [1.0]), "t") == DUPLICATE
+    with pytest.raises(ConflictingPush, match="already closed with the first content"):
+        service.push(push(1, 1, [1], [2.0]), "t")
+
+
 def test_checkpoint_roundtrip_resumes_rounds_residuals_and_last_aggregate(tmp_path):
     service, _ = make(workers=2, mode="topk", checkpoint_dir=str(tmp_path))
+    service.restore()
     for w in range(2):
         service.push(push(w, 0, [1, 2, 3], [1.0, -2.0, 0.5 * w]), "t")
     first = service.pull(pull(0), "t", 1.0)
@@ -201,7 +221,7 @@ def test_checkpoint_roundtrip_resumes_rounds_residuals_and_last_aggregate(tmp_pa
     assert restored.pull(pull(0), "t", 1.0) == first
     np.testing.assert_array_equal(restored.store.tensors["w"].residual,
                                   service.store.tensors["w"].residual)
-    assert restored.push(push(0, 0, [1], [1.0]), "t") == DUPLICATE
+    assert restored.push(push(0, 0, [1, 2, 3], [1.0, -2.0, 0.0]), "t") == DUPLICATE
     for w in range(2):
         restored.push(push(w, 1, [1], [1.0]), "t")
     assert decode_frame(restored.pull(pull(1), "t", 1.0)).round == 1
@@ -210,12 +230,61 @@ def test_checkpoint_roundtrip_resumes_rounds_residuals_and_last_aggregate(tmp_pa
         other.restore()
 
 
-def test_restored_tensor_follows_workers_ahead_of_the_checkpoint(tmp_path):
-    service, _ = make(workers=1, checkpoint_dir=str(tmp_path), checkpoint_every=10)
+@pytest.mark.parametrize("mode", ["union", "topk"])
+def test_journal_replays_every_answered_round_exactly(tmp_path, mode):
+    """Between snapshots every round goes to the journal before it is answered; a restore
+    (snapshot + journal replay) gives the same rounds, aggregates and residuals."""
+    service, _ = make(workers=2, mode=mode, checkpoint_dir=str(tmp_path), checkpoint_every=7)
+    service.restore()
+    answers = {}
+    for r in range(10):
+        for name in ("a", "b"):
+            for w, (idx, val) in enumerate(random_pushes(2, 100 * r + len(name), k=50)):
+                service.push(push(w, r, idx, val, tensor=name), "t")
+            answers[name, r] = service.pull(pull(r, tensor=name), "t", 5.0)
+    assert service.snapshots >= 2 and service.journaled > 0  # a snapshot, then a journal
+    journal = checkpoint.journal_path(checkpoint.path_for(tmp_path, 0, 1), service.generation)
+    assert journal.stat().st_size > 0
+    restored, _ = make(workers=2, mode=mode, checkpoint_dir=str(tmp_path), checkpoint_every=7)
+    restored.restore()
+    assert restored.store.rounds() == {"a": 10, "b": 10}
+    for name in ("a", "b"):
+        assert restored.pull(pull(9, tensor=name), "t", 5.0) == answers[name, 9]
+        if mode == "topk":
+            np.testing.assert_array_equal(restored.store.tensors[name].residual,
+                                          service.store.tensors[name].residual)
+    with pytest.raises(FutureRound):  # no worker can be ahead of what was answered
+        restored.push(push(0, 11, [1], [1.0], tensor="a"), "t")
+
+
+def test_a_torn_journal_write_is_ignored_and_its_round_reopens(tmp_path):
+    service, _ = make(workers=1, checkpoint_dir=str(tmp_path))
+    service.restore()
     for r in range(3):
-        service.push(push(0, r, [1], [1.0]), "t")  # only round 0 is checkpointed
+        service.push(push(0, r, [1], [float(r)]), "t")
+        service.pull(pull(r), "t", 5.0)
+    journal = checkpoint.journal_path(checkpoint.path_for(tmp_path, 0, 1), service.generation)
+    journal.write_bytes(journal.read_bytes()[:-5])  # the last write cut short
     restored, _ = make(workers=1, checkpoint_dir=str(tmp_path))
     restored.restore()
-    assert restored.store.rounds() == {"w": 1}
-    restored.push(push(0, 3, [1], [1.0]), "t")
-    assert decode_frame(restored.pull(pull(3), "t", 1.0)).round == 3
+    assert restored.store.rounds() == {"w": 2}
+    restored.push(push(0, 2, [1], [7.0]), "t")
+    assert dense(restored.pull(pull(2), "t", 5.0))[1] == 7.0
+
+
+def test_idle_tensors_expire_and_are_freed(caplog):
+    clock = Clock()
+    store = ShardStore(1, 0, 1, "topk", deadline=5.0, clock=clock, idle_timeout=60.0)
+    service = ShardService(store)
+    for name in ("s1/a", "s1/b", "s2/a"):
+        service.push(push(0, 0, [1], [1.0], tensor=name), "t")
+    clock.now = 30.0
+    service.push(push(0, 1, [1], [1.0], tensor="s2/a"), "t")
+    held = store.held_bytes()
+    assert held >= 3 * NUMEL * 4  # three dense residuals
+    clock.now = 61.0
+    with caplog.at_level("INFO", "ps_server"):
+        service.tick()
+    assert sorted(store.tensors) == ["s2/a"]
+    assert "session 's1' expired after 60 s idle: freed 2 tensors" in caplog.text
+    assert store.held_bytes() < held / 2
