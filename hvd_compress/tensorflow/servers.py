@@ -15,12 +15,12 @@ import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
+from hvd_compress import mpmd
 from hvd_compress.comm.base import Communicator
 from hvd_compress.comm.parameter_server import (
     PS_ENV,
     ParameterServerCommunicator,
     connect,
-    init_mpi_workers,
 )
 from hvd_compress.tensorflow.comm import BROADCAST, Request, run_requests
 
@@ -60,18 +60,13 @@ def with_servers(dense: Communicator, ps: str, process_set: Any) -> Communicator
 
 
 def init(ps: str | None = None, **kwargs: Any) -> None:
-    """``horovod.tensorflow.init()``, or, for ``ps="mpi"`` (default ``$HVD_COMPRESS_PS``),
-    split the parameter-server ranks of an MPMD ``mpirun`` off ``MPI.COMM_WORLD`` and start
-    Horovod on the workers' communicator::
+    """Start Horovod: ``horovod.tensorflow.init(**kwargs)``, or, for ``ps="mpi"`` (default
+    ``$HVD_COMPRESS_PS``), split the parameter-server ranks of an MPMD ``mpirun`` off
+    ``MPI.COMM_WORLD`` and start Horovod on the workers' communicator::
 
         mpirun -np 2 python train.py : -np 1 python -m ps_server --transport mpi --workers 2
 
-    ``kwargs`` go to ``hvd.init``. In a process that also runs Horovod's PyTorch library,
-    both may call their ``init`` (the MPI split happens once; both get the same workers'
-    communicator)."""
-    if resolve(ps).lower() == "mpi":
-        if "comm" in kwargs:
-            raise ValueError("init(ps='mpi') makes the workers' communicator itself; do not "
-                             "pass comm=")
-        kwargs["comm"] = init_mpi_workers()
-    hvd.init(**kwargs)
+    See :func:`hvd_compress.mpmd.init` (shared with ``hvd_compress.torch.init``). In a
+    process that also runs Horovod's PyTorch library, both may call their ``init`` (the MPI
+    split happens once; both get the same workers' communicator)."""
+    mpmd.init(hvd, "hvd_compress.tensorflow", ps, **kwargs)

@@ -12,6 +12,7 @@ import horovod.torch as hvd
 import torch
 from horovod.torch.compression import Compression as HorovodCompression
 
+from hvd_compress import mpmd
 from hvd_compress.comm.base import Communicator
 from hvd_compress.comm.horovod_torch import HorovodTorchCommunicator
 from hvd_compress.comm.parameter_server import (
@@ -19,7 +20,6 @@ from hvd_compress.comm.parameter_server import (
     ParameterServerCommunicator,
     check_spec,
     connect,
-    init_mpi_workers,
 )
 from hvd_compress.compression import Compression
 from hvd_compress.pipeline import Pipeline, StepStats
@@ -299,6 +299,7 @@ def DistributedOptimizer(
     still batches small all-reduces), nor is ``op=hvd.Adasum``: both raise ``ValueError``.
     """
     compression = resolve_compression(compression)
+    compression.check_optimizer(optimizer)  # e.g. DGC refuses an optimizer with momentum
     if op not in (hvd.Average, hvd.Sum):
         raise ValueError("op must be hvd.Average or hvd.Sum; Adasum does not compose with "
                          "gradient compression")
@@ -320,17 +321,14 @@ def DistributedOptimizer(
 
 
 def init(ps: str | None = None, **kwargs: Any) -> None:
-    """``hvd.init()``, or, for ``ps="mpi"`` (default ``$HVD_COMPRESS_PS``), split the
-    parameter-server ranks of an MPMD ``mpirun`` off ``MPI.COMM_WORLD`` and start Horovod on
-    the workers' communicator (``mpirun -np 2 python train.py : -np 1 python -m ps_server
-    --transport mpi --workers 2``). ``kwargs`` go to ``hvd.init``."""
-    ps = ps if ps is not None else os.environ.get(PS_ENV, "")
-    if ps.strip().lower() == "mpi":
-        if "comm" in kwargs:
-            raise ValueError("init(ps='mpi') makes the workers' communicator itself; do not "
-                             "pass comm=")
-        kwargs["comm"] = init_mpi_workers()
-    hvd.init(**kwargs)
+    """Start Horovod: ``hvd.init(**kwargs)``, or, for ``ps="mpi"`` (default
+    ``$HVD_COMPRESS_PS``), split the parameter-server ranks of an MPMD ``mpirun`` off
+    ``MPI.COMM_WORLD`` and start Horovod on the workers' communicator::
+
+        mpirun -np 2 python train.py : -np 1 python -m ps_server --transport mpi --workers 2
+
+    See :func:`hvd_compress.mpmd.init` (shared with ``hvd_compress.tensorflow.init``)."""
+    mpmd.init(hvd, "hvd_compress.torch", ps, **kwargs)
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:

@@ -1,0 +1,128 @@
+"""Starting Horovod in an MPMD ``mpirun`` whose other ranks are parameter servers.
+
+``mpirun -np 2 python train.py : -np 1 python -m ps_server --transport mpi --workers 2``
+puts the workers and the server in one ``MPI.COMM_WORLD``. Horovod must then run on the
+workers' communicator only: plain ``hvd.init()`` starts it on ``MPI.COMM_WORLD``, whose
+collective (``MPI_Comm_dup``) the server ranks never join, and it blocks for ever.
+
+The design, the same for both bindings:
+
+- :func:`init` (``hvd_compress.torch.init`` and ``hvd_compress.tensorflow.init``) is the
+  documented way: with ``ps="mpi"`` it splits the server ranks off ``MPI.COMM_WORLD``
+  (:func:`~hvd_compress.comm.parameter_server.init_mpi_workers`, the collective the servers
+  call at start-up) and starts Horovod on the workers' communicator.
+- Importing a binding under an MPMD ``mpirun`` (:func:`launched_mpmd`) wraps that
+  binding's Horovod ``init`` (:func:`guard`). A call without ``comm=`` first takes part in
+  the servers' start-up collective; if the world has server ranks, it raises at once with
+  what to call instead, rather than entering Horovod's ``init``. In an MPMD world without
+  servers (every app context a worker importing hvd-compress) the collective finds none and
+  Horovod starts on ``MPI.COMM_WORLD`` as before. Outside MPMD ``mpirun`` nothing is wrapped.
+
+MPMD is recognised by Open MPI's ``$OMPI_NUM_APP_CTX`` (the number of ``:``-separated app
+contexts), which ``mpirun`` sets in every rank without any communication.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from types import ModuleType
+from typing import Any
+
+from hvd_compress.comm import parameter_server
+from hvd_compress.comm.parameter_server import PS_ENV, init_mpi_workers
+
+MPMD_EXAMPLE = ("mpirun --allow-run-as-root --oversubscribe -np 2 python train.py --ps mpi "
+                ": -np 1 python -m ps_server --transport mpi --workers 2")
+"""The launch that ``ps="mpi"`` needs, for error messages."""
+
+_GUARDED = "_hvd_compress_guarded"
+
+
+def app_contexts() -> int | None:
+    """The number of app contexts of this ``mpirun`` (Open MPI's ``$OMPI_NUM_APP_CTX``), or
+    ``None`` when not launched by Open MPI's ``mpirun``."""
+    value = os.environ.get("OMPI_NUM_APP_CTX", "").strip()
+    return int(value) if value.isdigit() else None
+
+
+def launched_mpmd() -> bool:
+    """Whether this process is one rank of an MPMD ``mpirun`` (two or more app contexts)."""
+    return (app_contexts() or 0) > 1
+
+
+def _under_mpi_launcher() -> bool:
+    return any(key in os.environ for key in ("OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMIX_RANK"))
+
+
+def wants_servers(ps: str | None) -> bool:
+    """Whether ``ps`` (``$HVD_COMPRESS_PS`` when ``None``) names MPI servers (``"mpi"``)."""
+    spec = ps if ps is not None else os.environ.get(PS_ENV, "")
+    return isinstance(spec, str) and spec.strip().lower() == "mpi"
+
+
+def init(horovod: ModuleType, binding: str, ps: str | None = None, **kwargs: Any) -> None:
+    """``horovod.init(**kwargs)``, or, for ``ps="mpi"`` (default ``$HVD_COMPRESS_PS``), split
+    the parameter-server ranks of an MPMD ``mpirun`` off ``MPI.COMM_WORLD`` and start
+    Horovod on the workers' communicator (``comm=``, which must then not be given).
+
+    ``horovod`` is ``horovod.torch`` or ``horovod.tensorflow``; ``binding`` names the
+    caller's module in messages. ``ps="mpi"`` outside an MPMD ``mpirun`` raises
+    ``ValueError`` at once with the launch it needs (Open MPI: one app context; no MPI
+    launcher at all), instead of failing inside MPI.
+    """
+    if wants_servers(ps):
+        if "comm" in kwargs:
+            raise ValueError(f"{binding}.init(ps='mpi') makes the workers' communicator "
+                             "itself; do not pass comm=")
+        contexts = app_contexts()
+        if contexts == 1 or (contexts is None and not _under_mpi_launcher()):
+            where = ("this mpirun has one app context" if contexts == 1
+                     else "this process was not started by mpirun")
+            raise ValueError(f"{binding}.init(ps='mpi') needs parameter-server ranks in the "
+                             f"same MPMD mpirun, but {where}; launch e.g. {MPMD_EXAMPLE}, "
+                             "or use gRPC servers (ps='grpc://host:port')")
+        kwargs["comm"] = init_mpi_workers()
+    horovod.init(**kwargs)
+
+
+def guard(horovod: ModuleType, binding: str) -> None:
+    """Under an MPMD ``mpirun``, make ``horovod.init()`` without ``comm=`` refuse, within
+    the time of one MPI collective, to start Horovod on a world that has parameter-server
+    ranks (where it would block for ever). A call once Horovod runs is passed through (it
+    does nothing). Does nothing outside MPMD or when already installed."""
+    original = horovod.init
+    if not launched_mpmd() or getattr(original, _GUARDED, False):
+        return
+
+    @functools.wraps(original)
+    def guarded_init(*args: Any, **kwargs: Any) -> Any:
+        comm = args[0] if args else kwargs.get("comm")
+        if comm is None and not horovod.is_initialized():
+            _refuse_world_with_servers(binding)
+        return original(*args, **kwargs)
+
+    setattr(guarded_init, _GUARDED, True)
+    horovod.init = guarded_init
+
+
+def _refuse_world_with_servers(binding: str) -> None:
+    """Join the servers' start-up collective; raise ``RuntimeError`` if there are servers.
+
+    The workers' side of the collective (:func:`init_mpi_workers`) raises ``ValueError``
+    when the world has no consistent set of server ranks: then there is nothing to refuse
+    (misconfigured servers report it themselves and exit, which ends the job).
+    """
+    try:
+        init_mpi_workers()
+    except ValueError:
+        return
+    client = parameter_server._mpi_client
+    servers = client.servers if client is not None else []
+    raise RuntimeError(
+        f"hvd.init() was called without comm= in an MPMD mpirun whose MPI.COMM_WORLD ranks "
+        f"{servers} are parameter servers (python -m ps_server --transport mpi): Horovod "
+        "would start on MPI.COMM_WORLD, which those ranks never join, and block for ever. "
+        f"Start Horovod with {binding}.init(ps='mpi') instead of hvd.init(): it splits the "
+        "servers off and starts Horovod on the workers. The servers exit once every worker "
+        "has.")

@@ -1,0 +1,88 @@
+"""MPMD launches with parameter-server ranks: the misuse (plain ``hvd.init()``) fails within
+seconds instead of blocking for ever, and the documented launches work."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+
+import pytest
+
+from tests.harness import ROOT, launch_command, rank_env, run_command
+
+SERVER = ["python", "-m", "ps_server", "--transport", "mpi", "--workers", "2"]
+WORKER = ["python", "-m", "tests.workers.mpmd_init"]
+BINDINGS = ("torch", "tensorflow")
+
+
+def mpmd(worker_args: list[str], timeout: float = 240
+         ) -> tuple[subprocess.CompletedProcess[str], float]:
+    """2 worker ranks and 1 server rank; the completed launch and the time it ended."""
+    cmd = [*launch_command("mpi", 2), *WORKER, *worker_args, ":", "-np", "1", *SERVER]
+    done = run_command(cmd, timeout)
+    return done, time.time()
+
+
+@pytest.mark.parametrize("binding", BINDINGS)
+def test_plain_hvd_init_with_server_ranks_fails_within_seconds(binding: str) -> None:
+    done, ended = mpmd(["plain", binding])
+    assert done.returncode != 0, done.stdout[-4000:]
+    assert "hvd.init returned" not in done.stdout
+    assert f"Start Horovod with hvd_compress.{binding}.init(ps='mpi')" in done.stdout, \
+        done.stdout[-4000:]
+    assert "MPI.COMM_WORLD ranks [2] are parameter servers" in done.stdout
+    called = [float(t) for t in re.findall(r"calling hvd.init at ([0-9.]+)", done.stdout)]
+    assert len(called) == 2, done.stdout[-4000:]
+    # From the first worker's call of hvd.init to the end of the whole job (the servers
+    # told to exit, mpirun torn down): seconds, where the unguarded call never returns.
+    assert ended - min(called) < 20, f"took {ended - min(called):.1f} s"
+    assert "all workers done; exiting" in done.stdout
+
+
+@pytest.mark.parametrize("binding", BINDINGS)
+def test_documented_init_joins_the_servers_and_starts_horovod_on_the_workers(
+        binding: str) -> None:
+    done, _ = mpmd(["hvdc", binding])
+    assert done.returncode == 0, done.stdout[-4000:]
+    for rank in (0, 1):
+        assert f"size=2 rank={rank} rank_sum=1" in done.stdout, done.stdout[-4000:]
+
+
+def test_mpmd_world_of_workers_only_still_starts_with_plain_init() -> None:
+    cmd = [*launch_command("mpi", 1), *WORKER, "plain", "torch",
+           ":", "-np", "1", *WORKER, "plain", "torch"]
+    done = run_command(cmd, 120)
+    assert done.returncode == 0, done.stdout[-4000:]
+    assert done.stdout.count("hvd.init returned") == 2
+
+
+def test_ps_mpi_without_server_ranks_says_which_launch_it_needs() -> None:
+    done = run_command([*launch_command("mpi", 2), *WORKER, "hvdc", "torch"], 120)
+    assert done.returncode != 0
+    assert ("hvd_compress.torch.init(ps='mpi') needs parameter-server ranks in the same "
+            "MPMD mpirun, but this mpirun has one app context") in done.stdout, \
+        done.stdout[-4000:]
+
+
+def readme_mpmd_command() -> str:
+    """The README's MPMD launch, as written (its backslash-continued lines)."""
+    text = (ROOT / "README.md").read_text()
+    match = re.search(r"^mpirun [^\n]*\\\n(?:[^\n]*\\\n)*[^\n]*--transport mpi[^\n]*$", text,
+                      re.MULTILINE)
+    assert match, "no MPMD mpirun command in the README"
+    return match.group(0)
+
+
+def test_readme_mpmd_command_works_as_written() -> None:
+    command = readme_mpmd_command()
+    assert " : " in command.replace("\\\n", " ")
+    proc = subprocess.run(["bash", "-c", command], cwd=ROOT, env=rank_env(), text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    final = re.search(r"^topk:ratio=0.01\s+([0-9.]+)%\s+([0-9,]+)\s+([0-9,]+)\s+([0-9.]+)x",
+                      proc.stdout, re.MULTILINE)
+    assert final, proc.stdout[-4000:]
+    assert float(final.group(1)) > 80.0  # 20 epochs of digits
+    assert float(final.group(4)) > 10.0  # top-k 1% through the server
+    assert "all workers done; exiting" in proc.stdout

@@ -1,0 +1,39 @@
+"""A worker of an MPMD ``mpirun`` with parameter-server ranks, for tests/test_mpmd.py:
+``python -m tests.workers.mpmd_init {plain|hvdc} {torch|tensorflow}``.
+
+``plain`` starts Horovod the wrong way (``hvd.init()``, which would block for ever on a
+world with server ranks) and prints the time just before; ``hvdc`` the documented way
+(``hvd_compress.<binding>.init(ps="mpi")``) and prints ``size=N rank=R`` and an all-reduce
+of the ranks over the workers' communicator.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import time
+
+
+def main() -> None:
+    how, binding = sys.argv[1], sys.argv[2]
+    hvd = importlib.import_module(f"horovod.{binding}")
+    hvdc = importlib.import_module(f"hvd_compress.{binding}")
+    if how == "plain":
+        print(f"calling hvd.init at {time.time():.3f}", flush=True)
+        hvd.init()
+        print("hvd.init returned", flush=True)
+        return
+    hvdc.init(ps="mpi")
+    if binding == "torch":
+        import torch
+
+        total = int(hvd.allreduce(torch.tensor([hvd.rank()]), op=hvd.Sum).item())
+    else:
+        import tensorflow as tf
+
+        total = int(hvd.allreduce(tf.constant([hvd.rank()]), op=hvd.Sum).numpy()[0])
+    print(f"size={hvd.size()} rank={hvd.rank()} rank_sum={total}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
