@@ -210,6 +210,13 @@ class Scheme(ABC):
         """The configuration, recorded in state dicts so a mismatched restore is caught."""
         return {"name": self.name}
 
+    def check_optimizer(self, optimizer: Any) -> None:
+        """Refuse, with an error that says what to change, a wrapped optimizer this scheme
+        cannot train with (called by the optimizer wrapper at construction, before any
+        step). The default accepts every optimizer; DGC, which applies momentum itself,
+        refuses one with momentum of its own."""
+        del optimizer  # accepted
+
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.describe().items() if k != "name")
         return f"{type(self).__name__}({args})"

@@ -74,9 +74,11 @@ def _setup(spec: str, seed: int = 0, ps: str | None = None
            ) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     model = _Net()
+    compression = Compression.parse(spec)
+    momentum = 0.0 if compression.name == "dgc" else 0.9  # DGC applies its own momentum
     optimizer = DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-        named_parameters=model.named_parameters(), compression=Compression.parse(spec),
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum),
+        named_parameters=model.named_parameters(), compression=compression,
         policy=Policy(min_numel=256), ps=ps)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     broadcast_optimizer_state(optimizer, root_rank=0)

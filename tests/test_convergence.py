@@ -1,0 +1,68 @@
+"""Convergence a user can trust: the schemes at their defaults, with the optimizers users
+bring (SGD with momentum, AdamW), on scikit-learn's digits, 2 ranks of a ThreadGroup
+(:mod:`tests.convergence_harness`, the pipeline a Horovod run uses). A configuration
+either converges or is refused with an error that says what to change."""
+
+from __future__ import annotations
+
+import horovod.torch as hvd
+import pytest
+import torch
+
+from hvd_compress import Compression
+from hvd_compress.torch import DistributedOptimizer
+from tests import convergence_harness as harness
+
+
+@pytest.fixture(autouse=True)
+def one_thread_per_rank() -> None:
+    torch.set_num_threads(1)
+
+
+def _model_params() -> list[torch.nn.Parameter]:
+    return list(harness.make_model().parameters())
+
+
+# DGC and the optimizer's own momentum ---------------------------------------------------
+@pytest.mark.parametrize("make", [
+    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True),
+    lambda p: torch.optim.RMSprop(p, lr=0.01, momentum=0.5),
+])
+def test_dgc_refuses_an_optimizer_with_momentum(make: harness.OptimizerFactory) -> None:
+    model = harness.make_model()
+    optimizer = make(list(model.parameters()))
+    with pytest.raises(ValueError) as err:
+        DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                             compression=Compression.dgc())
+    message = str(err.value)
+    momentum = optimizer.param_groups[0]["momentum"]
+    assert f"has momentum={momentum} in parameter group 0" in message
+    assert "momentum=0" in message and f"Compression.dgc(momentum={momentum})" in message
+    # Nothing was registered on the parameters: the plain optimizer still works.
+    model(torch.zeros(1, 64)).sum().backward()
+    optimizer.step()
+
+
+def test_dgc_accepts_an_optimizer_without_momentum() -> None:
+    hvd.init()
+    model = harness.make_model()
+    optimizer = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=model.named_parameters(),
+                                     compression=Compression.dgc())
+    assert optimizer.param_groups[0]["momentum"] == 0
+
+
+def test_dgc_converges_with_its_momentum_and_diverges_with_both() -> None:
+    """The issue's case: SGD lr 0.1, momentum 0.9, DGC at its defaults, 2 ranks. Refused
+    above because, run anyway, the loss explodes; with the momentum given to DGC alone it
+    trains like uncompressed momentum SGD."""
+    steps = 600
+    reference = harness.train(Compression.none, harness.sgd(0.1, 0.9), steps=steps)[0]
+    alone = harness.train(Compression.dgc(momentum=0.9), harness.sgd(0.1, 0.0), steps=steps)
+    both = harness.train(Compression.dgc(momentum=0.9), harness.sgd(0.1, 0.9), steps=steps)
+    assert torch.equal(alone[0].params, alone[1].params)
+    assert reference.accuracy > 95
+    assert alone[0].accuracy > reference.accuracy - 2.0, (alone[0].accuracy, reference.accuracy)
+    assert alone[0].final_loss < 0.1
+    assert max(both[0].losses) > 100 or both[0].final_loss > 2.0, both[0].losses[-5:]
