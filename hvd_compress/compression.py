@@ -28,7 +28,7 @@ class Compression:
 
         Compression.onebit(bucket_size=2048)
         Compression.qsgd(bits=4, bucket_size=512, norm='max', error_feedback=False)
-        Compression.terngrad(bucket_size=512, clip=None, error_feedback=False)
+        Compression.terngrad(bucket_size=512, clip=2.5, error_feedback=False)
         Compression.powersgd(rank=4, start_iter=10, min_compression_rate=2, warm_start=True)
         Compression.topk(ratio=0.001, values='fp32')
         Compression.randomk(ratio=0.01)

@@ -66,3 +66,22 @@ def test_dgc_converges_with_its_momentum_and_diverges_with_both() -> None:
     assert alone[0].accuracy > reference.accuracy - 2.0, (alone[0].accuracy, reference.accuracy)
     assert alone[0].final_loss < 0.1
     assert max(both[0].losses) > 100 or both[0].final_loss > 2.0, both[0].losses[-5:]
+
+
+# TernGrad's clipping --------------------------------------------------------------------
+def test_terngrad_clips_by_default_and_converges_where_unclipped_diverges() -> None:
+    """SGD lr 0.2 with momentum 0.9 trains uncompressed; unclipped TernGrad's variance
+    (``|v| (max|v| - |v|)`` per element) blows it up, the paper's 2.5-sigma clipping
+    (the default) trains it."""
+    assert Compression.terngrad().clip == 2.5
+    steps, optimizer = 600, harness.sgd(0.2, 0.9)
+    reference = harness.train(Compression.none, optimizer, steps=steps)[0]
+    clipped = harness.train(Compression.terngrad(), optimizer, steps=steps)
+    unclipped = harness.train(Compression.terngrad(clip=None), optimizer, steps=steps)[0]
+    assert torch.equal(clipped[0].params, clipped[1].params)
+    assert reference.accuracy > 95
+    assert clipped[0].accuracy > reference.accuracy - 1.0, (clipped[0].accuracy,
+                                                             reference.accuracy)
+    assert max(clipped[0].losses) < 2.5  # never above the initial loss (ln 10 = 2.30)
+    assert max(unclipped.losses) > 100 and unclipped.accuracy < 50, (max(unclipped.losses),
+                                                                    unclipped.accuracy)
