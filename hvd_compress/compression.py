@@ -7,6 +7,7 @@ import inspect
 import typing
 from typing import Any
 
+from hvd_compress.schemes.auto import Auto
 from hvd_compress.schemes.base import Scheme
 from hvd_compress.schemes.dense import BF16, FP16, NoCompression
 from hvd_compress.schemes.dgc import DGC
@@ -38,6 +39,10 @@ class Compression:
     Top-k and DGC pairs are summed by the parameter server given as the optimizer's
     ``ps=`` (or by Horovod ``allgather`` without one); ``values='fp16'`` halves the
     values' bytes on the wire.
+
+    ``Compression.auto(scheme)`` sends each tensor dense, as float16 or with ``scheme``,
+    whichever a cost model measured on the job's own links predicts is fastest
+    (:mod:`hvd_compress.schemes.auto`); as a string, ``"auto:powersgd:rank=4"``.
     """
 
     none = NoCompression()
@@ -50,6 +55,7 @@ class Compression:
     topk = TopK
     randomk = RandomK
     dgc = DGC
+    auto = Auto
 
     @classmethod
     def parse(cls, spec: str) -> Scheme:
@@ -70,6 +76,8 @@ class Compression:
             raise ValueError(f"unknown compression scheme {name!r} in {spec!r}; choose from "
                              f"{', '.join(SCHEME_NAMES)}")
         factory = getattr(cls, name)
+        if factory is Auto:  # "auto:<scheme spec>": the scheme it uses where it pays
+            return Auto(arg_text.strip() or "powersgd:rank=4")
         options = {} if isinstance(factory, Scheme) else scheme_options(factory)
         kwargs: dict[str, Any] = {}
         for item in filter(None, (part.strip() for part in arg_text.split(","))):
@@ -141,4 +149,4 @@ def _option_value(scheme: str, key: str, text: str, expected: Any, spec: str) ->
 
 
 SCHEME_NAMES = ("none", "fp16", "bf16", "onebit", "qsgd", "terngrad", "powersgd", "topk",
-                "randomk", "dgc")
+                "randomk", "dgc", "auto")

@@ -65,6 +65,7 @@ different names: Horovod's stall warning then lists them (a ``ThreadGroup`` rais
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from collections import Counter, defaultdict
@@ -80,6 +81,8 @@ from hvd_compress.errors import NonFiniteGradientError
 from hvd_compress.feedback import ErrorFeedback
 from hvd_compress.native import buffers
 from hvd_compress.policy import Policy
+from hvd_compress.schemes import auto as auto_routes
+from hvd_compress.schemes.auto import Auto
 from hvd_compress.schemes.base import (
     Exchange,
     ExchangeContext,
@@ -312,6 +315,7 @@ class _InFlight:
     x: torch.Tensor
     scheme: Scheme
     exchange: Exchange
+    feedback: bool = False  # x is g + e: the residual is committed with the outcome
     request: Collective | None = None  # yielded by the exchange, not yet started
     outcome: Outcome | None = None
 
@@ -384,6 +388,11 @@ class Pipeline:
         self._scheme_state: dict[str, dict[str, torch.Tensor]] = {}
         self._steps: dict[str, int] = defaultdict(int)
         self._routes: dict[tuple[str, torch.Size], Scheme] = {}
+        self._auto = scheme if isinstance(scheme, Auto) else None
+        self._auto_shapes: dict[str, torch.Size] = {}  # every tensor auto has routed
+        self._auto_window: list[float] = []  # measured exchange seconds since the decision
+        self.auto_decision: auto_routes.Decision | None = None
+        """``Compression.auto``'s routes and the measurements they were decided from."""
         self._plan: list[list[str]] = []
         self._position: dict[str, tuple[int, int]] = {}  # name -> (bucket, place in it)
         # This step:
@@ -402,12 +411,92 @@ class Pipeline:
         key = (name, shape)
         scheme = self._routes.get(key)
         if scheme is None:
-            compress = self.policy.compresses(self.scheme, shape)
-            scheme = self.scheme if compress else _DENSE
+            if self._auto is not None:
+                scheme = self._auto_route(name, shape)
+            else:
+                compress = self.policy.compresses(self.scheme, shape)
+                scheme = self.scheme if compress else _DENSE
             self._routes[key] = scheme
         return scheme
 
-    def plan(self, names: Sequence[str], numels: Sequence[int]) -> list[list[str]]:
+    def _auto_route(self, name: str, shape: torch.Size) -> Scheme:
+        """``Compression.auto``'s route for a tensor; dense until it has been decided (at
+        the end of the step that first carries it)."""
+        assert self._auto is not None
+        self._auto_shapes[name] = shape
+        decision = self.auto_decision
+        if decision is None or decision.shapes.get(name) != shape:
+            return _DENSE
+        route = decision.routes[name]
+        return _DENSE if route == auto_routes.DENSE else self._auto.candidates()[route]
+
+    def redecide(self, link: auto_routes.LinkModel | None = None,
+                 device: torch.device | str = "cpu") -> auto_routes.Decision:
+        """Measure again (the link too, unless ``link`` is given) and decide
+        ``Compression.auto``'s routes for every tensor it has seen, keeping current routes
+        unless another is clearly cheaper. Collectives: every rank calls it at the same
+        point, between steps."""
+        if self._auto is None:
+            raise TypeError(f"redecide() needs Compression.auto, this pipeline uses "
+                            f"{self.scheme!r}")
+        if self._inflight:
+            raise RuntimeError("cannot decide routes while exchanges are in flight; call "
+                               "wait() first")
+        self._auto_decide(dict(self._auto_shapes), torch.device(device), link,
+                          self.auto_decision)
+        assert self.auto_decision is not None
+        return self.auto_decision
+
+    def _auto_decide(self, shapes: Mapping[str, torch.Size], device: torch.device,
+                     link: auto_routes.LinkModel | None = None,
+                     current: auto_routes.Decision | None = None) -> None:
+        """Measure and decide ``Compression.auto``'s routes: collectives every rank runs
+        at the same point (plan or the end of a step)."""
+        assert self._auto is not None
+        auto = self._auto
+        self.auto_decision = auto.decide(
+            shapes, lambda shape: self.policy.compresses(auto.scheme, shape), self._run_now,
+            self.comm.rank, self.comm.size, device, link=link, current=current)
+        self._auto_shapes.update(shapes)
+        self._auto_window.clear()
+        self._routes.clear()
+
+    def _auto_after_step(self, flights: Sequence[_InFlight], stats: StepStats) -> None:
+        """Decide routes for tensors first seen this step; every ``recheck_every`` steps,
+        compare the measured exchange time with the prediction (:meth:`Auto.revise`)."""
+        assert self._auto is not None
+        auto = self._auto
+        if not flights:
+            return
+        device = flights[0].grad.device
+        decision = self.auto_decision
+        if decision is None or any(decision.shapes.get(n) != s
+                                   for n, s in self._auto_shapes.items()):
+            self._auto_decide(dict(self._auto_shapes), device,
+                              decision.link if decision is not None else None, decision)
+            return
+        self._auto_window.append(sum(seconds for part, seconds in stats.seconds.items()
+                                     if part in ("scheme", "fuse") or part.startswith("wait")))
+        if not auto.recheck_every or len(self._auto_window) < auto.recheck_every:
+            return
+        local = torch.tensor([sum(self._auto_window) / len(self._auto_window)],
+                             dtype=torch.float64, device=device)
+        self._auto_window.clear()
+        agreed = self._run_now("hvdc.auto.recheck", AllReduce("recheck", local))
+        measured = float(agreed.cpu()[0]) / self.comm.size
+        revised = auto.revise(decision, measured, dict(self._auto_shapes),
+                              lambda shape: self.policy.compresses(auto.scheme, shape),
+                              self._run_now, self.comm.rank, self.comm.size, device)
+        if revised is not None:
+            self.auto_decision = revised
+            self._routes.clear()
+
+    def _run_now(self, name: str, op: Collective) -> Any:
+        """Start one collective and wait for it (``Compression.auto``'s measurements)."""
+        return self.comm.wait(self.comm.start(name, op))
+
+    def plan(self, names: Sequence[str], numels: Sequence[int | Sequence[int]],
+             device: torch.device | str = "cpu") -> list[list[str]]:
         """Declare the tensors in the order their gradients are expected to become ready;
         return the buckets (:func:`assign_buckets` with ``bucket_bytes``).
 
@@ -415,7 +504,16 @@ class Pipeline:
         every following step. A bucket's first round starts as soon as all its members are
         submitted; a bucket some of whose members were not submitted starts at
         :meth:`wait` with those that were (every rank must submit the same tensors).
+
+        ``numels`` may give each tensor's shape instead of its element count. With shapes,
+        ``Compression.auto`` measures and decides its routes now, with collectives that
+        every rank runs here (on ``device``, where the gradients will be); without, after
+        the first step, which then travels dense.
         """
+        shapes = None
+        if numels and all(not isinstance(n, int) for n in numels):
+            shapes = [torch.Size(n) for n in numels]  # type: ignore[arg-type]
+            numels = [s.numel() for s in shapes]
         if self._inflight:
             raise RuntimeError("cannot change the plan while exchanges are in flight; call "
                                "wait() first")
@@ -430,6 +528,8 @@ class Pipeline:
         self._plan = assign_buckets(names, numels, self.bucket_bytes)
         self._position = {name: (b, i) for b, members in enumerate(self._plan)
                           for i, name in enumerate(members)}
+        if self._auto is not None and shapes is not None:
+            self._auto_decide(dict(zip(names, shapes, strict=True)), torch.device(device))
         return self.buckets
 
     @property
@@ -461,13 +561,17 @@ class Pipeline:
         scheme = self.route(name, grad.shape)
         started = time.perf_counter()
         x = grad / self.prescale if self.prescale != 1.0 else grad
-        if scheme is not _DENSE:
-            x = self.feedback.compensate(name, x) if scheme.error_feedback else x.float()
+        # A residual left by a route that changed (Compression.auto) travels once more.
+        feedback = scheme.error_feedback or self.feedback.get(name) is not None
+        if feedback:
+            x = self.feedback.compensate(name, x)
+        elif scheme is not _DENSE:
+            x = x.float()
         self._current.seconds["feedback"] += time.perf_counter() - started
         ctx = ExchangeContext(name, self.comm.rank, self.comm.size, self._steps[name],
                               self.seed)
         exchange = scheme.exchange(x, self._scheme_state.get(name, {}), ctx)
-        flight = _InFlight(name, grad, x, scheme, exchange)
+        flight = _InFlight(name, grad, x, scheme, exchange, feedback)
         self._inflight[name] = flight
         try:
             if grad.numel() == 0:  # nothing to send; every rank agrees since shapes agree
@@ -668,8 +772,9 @@ class Pipeline:
             outcome = flight.outcome
             assert outcome is not None
             name, scheme = flight.name, flight.scheme
-            if scheme.error_feedback:
-                self.feedback.commit_sent(name, flight.x, outcome.sent)
+            if flight.feedback:
+                sent = outcome.sent if scheme.error_feedback else None
+                self.feedback.commit_sent(name, flight.x, sent)
             if outcome.state:
                 self._scheme_state[name] = outcome.state
             self._steps[name] += 1
@@ -683,6 +788,8 @@ class Pipeline:
         stats.seconds["commit"] += time.perf_counter() - started
         self.total.add(stats)
         self.last_step, self._current = stats, StepStats()
+        if self._auto is not None:
+            self._auto_after_step(flights, stats)
         return results
 
     def _result(self, outcome: Outcome, grad: torch.Tensor, out: torch.Tensor | None,
@@ -711,6 +818,8 @@ class Pipeline:
             "residuals": self.feedback.state_dict(),
             "scheme_state": {name: {k: v.detach().clone() for k, v in st.items()}
                              for name, st in self._scheme_state.items()},
+            **({"auto_routes": dict(self.auto_decision.routes)}
+               if self.auto_decision is not None else {}),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -727,3 +836,15 @@ class Pipeline:
         self.feedback.load_state_dict(state["residuals"])
         self._scheme_state = {name: {k: torch.as_tensor(v).clone() for k, v in st.items()}
                               for name, st in state["scheme_state"].items()}
+        routes = state.get("auto_routes")
+        if routes is not None and self.auto_decision is not None:
+            # Resume on the routes the checkpoint was taken with (measured again, the routes
+            # of this run could differ and the next step would not be the one it would have
+            # been); tensors the checkpoint does not name keep this run's routes.
+            decision = self.auto_decision
+            routes = {n: routes.get(n, r) if routes.get(n) in decision.costs[n] else r
+                      for n, r in decision.routes.items()}
+            self.auto_decision = dataclasses.replace(
+                decision, routes=routes,
+                predicted=auto_routes.predict(decision.costs, routes, decision.link))
+            self._routes.clear()

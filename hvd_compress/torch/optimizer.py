@@ -128,8 +128,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # Backward produces gradients roughly in reverse registration order (DDP's
         # assumption too): the last layers' bucket is complete, and starts, first.
         backward_order = self._requires_update[::-1]
+        # Shapes let Compression.auto measure and decide its routes here, on every rank.
         self._pipeline.plan([self._parameter_names[p] for p in backward_order],
-                            [p.numel() for p in backward_order])
+                            [p.shape for p in backward_order],
+                            backward_order[0].device if backward_order else "cpu")
 
     # Backward hook: start communication as soon as a gradient is complete ---------------
     def _on_grad(self, p: torch.Tensor) -> None:
