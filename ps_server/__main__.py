@@ -18,9 +18,11 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
+from hvd_compress import __version__
 from hvd_compress.ps_protocol import TOKEN_ENV
-from ps_server.service import ShardService
+from ps_server.service import CHECKPOINT_EVERY, ShardService
 from ps_server.store import MODES, ShardStore
 
 log = logging.getLogger("ps_server")
@@ -43,43 +45,109 @@ def _host_port(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
+ENV_PREFIX = "HVD_PS_"
+"""Every option ``--some-flag`` may also be given as ``$HVD_PS_SOME_FLAG`` (a container's
+environment); the command line wins over the environment, which wins over the default."""
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def env_var(flag: str) -> str:
+    """The environment variable of a long option: ``--max-message-mb`` ->
+    ``HVD_PS_MAX_MESSAGE_MB``."""
+    return ENV_PREFIX + flag.lstrip("-").upper().replace("-", "_")
+
+
+class EnvArgumentParser(argparse.ArgumentParser):
+    """An argument parser whose long options default to their :func:`env_var`, with the
+    variable and the default shown in ``--help``.
+
+    ``show_default=`` (an extra keyword of :meth:`add_argument`) is the default as help
+    shows it, when the value itself reads badly (a tuple, ``None`` meaning something). A
+    value from the environment is converted and checked like one from the command line,
+    and a bad one is an error naming the variable.
+    """
+
+    def add_argument(self, *names: str, **kw: Any) -> argparse.Action:
+        flag = next((n for n in names if n.startswith("--")), None)
+        if flag is None or kw.get("action") in ("help", "version"):
+            return super().add_argument(*names, **kw)
+        env = env_var(flag)
+        shown = kw.pop("show_default", kw.get("default"))
+        notes = [f"env {env}"] + ([] if shown in (None, False) else [f"default {shown}"])
+        kw["help"] = f"{kw.get('help', '')} [{'; '.join(notes)}]".strip()
+        value = os.environ.get(env, "")
+        if value:
+            kw["default"] = self._from_env(env, value, kw)
+            kw["required"] = False
+        return super().add_argument(*names, **kw)
+
+    def _from_env(self, env: str, value: str, kw: dict[str, Any]) -> Any:
+        if kw.get("action") == "store_true":
+            if value.lower() not in _TRUE + _FALSE:
+                self.error(f"${env}={value!r}: expected one of {', '.join(_TRUE + _FALSE)}")
+            return value.lower() in _TRUE
+        try:
+            converted = kw.get("type", str)(value)
+        except (ValueError, TypeError, argparse.ArgumentTypeError) as err:
+            self.error(f"${env}={value!r}: {err}")
+        if kw.get("choices") is not None and converted not in kw["choices"]:
+            self.error(f"${env}={value!r}: expected one of {', '.join(map(str, kw['choices']))}")
+        return converted
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+    """The command line (and :data:`ENV_PREFIX` environment variables), checked."""
+    p = EnvArgumentParser(
         prog="hvd-ps-server",
-        description="Parameter-server shard aggregating sparse gradient pushes by round.")
+        description="Parameter-server shard aggregating sparse gradient pushes by round. "
+        f"Every option can also be set by the environment variable shown with it; the "
+        f"token itself may come from ${TOKEN_ENV}.")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     p.add_argument("--transport", choices=("grpc", "mpi"), default="grpc",
                    help="gRPC server, or ranks of an MPMD mpirun with the workers")
     p.add_argument("--bind", type=_host_port, default=("127.0.0.1", 7070),
-                   metavar="HOST:PORT", help="gRPC listen address; port 0 picks a free port "
-                   "(default 127.0.0.1:7070)")
+                   show_default="127.0.0.1:7070", metavar="HOST:PORT",
+                   help="gRPC listen address (and the metrics' host); port 0 picks a free "
+                   "port; 0.0.0.0:7070 in a container")
     p.add_argument("--workers", type=int, required=True, metavar="N",
-                   help="number of workers pushing every round")
-    p.add_argument("--shard", type=_shard, default=None, metavar="I/N",
-                   help="this server's shard of N (default 0/1; with MPI, the server's rank "
+                   help="number of workers pushing every round (required)")
+    p.add_argument("--shard", type=_shard, default=None, show_default="0/1", metavar="I/N",
+                   help="this server's shard of N (with MPI, default: the server's rank "
                    "among server ranks)")
     p.add_argument("--deadline", type=float, default=120.0, metavar="SECONDS",
                    help="a round missing a worker this long after its first request fails")
     p.add_argument("--mode", choices=MODES, default="union",
                    help="union: exact sum over the union of indices; topk: global top-k "
                    "with a server-side residual")
-    p.add_argument("--token-file", type=Path, metavar="PATH",
-                   help=f"require this token from gRPC clients (else ${TOKEN_ENV} if set)")
-    p.add_argument("--tls-cert", type=Path, metavar="PEM", help="TLS certificate chain")
-    p.add_argument("--tls-key", type=Path, metavar="PEM", help="TLS private key")
-    p.add_argument("--checkpoint-dir", metavar="DIR",
-                   help="write and resume from shard-I-of-N.npz here")
-    p.add_argument("--checkpoint-every", type=int, default=1, metavar="ROUNDS",
-                   help="checkpoint after rounds whose number is a multiple of this")
-    p.add_argument("--metrics-port", type=int, metavar="PORT",
-                   help="serve Prometheus metrics at http://HOST:PORT/metrics")
+    p.add_argument("--token-file", type=Path, metavar="PATH", show_default=f"${TOKEN_ENV}",
+                   help="require the token in this file from gRPC clients")
+    p.add_argument("--tls-cert", type=Path, metavar="PEM", show_default="no TLS",
+                   help="TLS certificate chain")
+    p.add_argument("--tls-key", type=Path, metavar="PEM", show_default="no TLS",
+                   help="TLS private key")
+    p.add_argument("--checkpoint-dir", metavar="DIR", show_default="no checkpoints",
+                   help="journal rounds and write snapshots shard-I-of-N.npz here, and resume "
+                   "from them; a final snapshot is written on SIGTERM/SIGINT")
+    p.add_argument("--checkpoint-every", type=int, default=CHECKPOINT_EVERY, metavar="ROUNDS",
+                   help="full snapshot after this many journaled rounds")
+    p.add_argument("--checkpoint-fsync", action="store_true",
+                   help="fsync every journal write (survives a host crash, not only a "
+                   "server kill; one fsync per write)")
+    p.add_argument("--idle-timeout", type=float, default=3600.0, metavar="SECONDS",
+                   help="free a tensor (and log its session) when nobody pushed or pulled it "
+                   "this long; must exceed --deadline")
+    p.add_argument("--metrics-port", type=int, metavar="PORT", show_default="off",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any port)")
     p.add_argument("--max-message-mb", type=int, default=256, metavar="MB",
-                   help="largest gRPC message accepted or sent (default 256)")
-    p.add_argument("--max-shard-numel", type=int, default=1 << 28, metavar="N",
-                   help="refuse tensors whose shard has more elements (default 2**28)")
+                   help="largest gRPC message accepted or sent")
+    p.add_argument("--max-shard-numel", type=int, default=1 << 28, show_default="2**28",
+                   metavar="N", help="refuse tensors whose shard has more elements")
     p.add_argument("--threads", type=int, default=64,
-                   help="gRPC handler threads; each waiting pull holds one (default 64)")
+                   help="threads decoding and summing gRPC pushes at once (waiting pulls "
+                   "hold none)")
     p.add_argument("--log-level", default="INFO",
-                   choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+                   choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="log verbosity")
     args = p.parse_args(argv)
     if (args.tls_cert is None) != (args.tls_key is None):
         p.error("--tls-cert and --tls-key go together")
@@ -87,6 +155,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--workers must be at least 1, got {args.workers}")
     if args.deadline <= 0:
         p.error(f"--deadline must be positive, got {args.deadline}")
+    if args.idle_timeout <= args.deadline:
+        p.error(f"--idle-timeout ({args.idle_timeout:g}) must exceed --deadline "
+                f"({args.deadline:g})")
     if args.checkpoint_every < 1:
         p.error(f"--checkpoint-every must be at least 1, got {args.checkpoint_every}")
     for option, path in (("--token-file", args.token_file), ("--tls-cert", args.tls_cert),
@@ -146,8 +217,9 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level, stream=sys.stderr,
         format=f"%(asctime)s ps-server[{shard}/{shards}] %(levelname)s %(message)s")
     store = ShardStore(args.workers, shard, shards, args.mode, args.deadline,
-                       args.max_shard_numel)
-    service = ShardService(store, args.checkpoint_dir, args.checkpoint_every)
+                       args.max_shard_numel, idle_timeout=args.idle_timeout)
+    service = ShardService(store, args.checkpoint_dir, args.checkpoint_every,
+                           args.checkpoint_fsync)
     try:
         service.restore()
     except ValueError as err:
@@ -164,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         log.info("serving shard %d/%d over MPI (rank %d): %s", shard, shards,
                  world.Get_rank(), desc)
         mpi_transport.serve(service, world, workers)
-        service.save_checkpoint()
+        service.close()
         log.info("all workers done; exiting: %s", service.summary())
         return 0
     return _serve_grpc(args, service, host, port, desc)
@@ -201,7 +273,7 @@ def _serve_grpc(args: argparse.Namespace, service: ShardService, host: str, port
              "required" if token else "off", desc)
     stop.wait()
     server.stop(grace=1.0).wait()
-    service.save_checkpoint()
+    service.close()
     log.info("stopped: %s", service.summary())
     return 0
 

@@ -1,86 +1,189 @@
-"""Prometheus metrics in the text exposition format, served by the standard library.
+"""Prometheus metrics of one shard, through ``prometheus_client``.
 
-``GET /metrics`` on ``--metrics-port`` returns counters kept by the server and gauges read
-from the store at scrape time (format 0.0.4, as Prometheus scrapes it).
+Every server has its own :class:`~prometheus_client.CollectorRegistry` (so several
+services in one process never mix their counts), served at ``GET /metrics`` on
+``--metrics-port`` by ``prometheus_client``'s HTTP server. Every sample carries the label
+``shard="I/N"``. Exposed:
+
+========================================  =========  ==========================================
+name                                      type       what
+========================================  =========  ==========================================
+``hvd_ps_requests_total``                 counter    requests by ``method`` and ``outcome``
+``hvd_ps_pushes_total``                   counter    pushes by ``outcome`` (accepted, duplicate)
+``hvd_ps_rejected_requests_total``        counter    refusals by ``method`` and ``reason``
+``hvd_ps_received_bytes_total``           counter    frame bytes received
+``hvd_ps_sent_bytes_total``               counter    frame bytes sent
+``hvd_ps_rounds_closed_total``            counter    rounds closed with every worker's push
+``hvd_ps_rounds_failed_total``            counter    rounds failed (deadline, conflict)
+``hvd_ps_checkpoints_total``              counter    checkpoints written
+``hvd_ps_round_latency_seconds``          histogram  first accepted push of a round to its close
+``hvd_ps_push_to_close_seconds``          histogram  each accepted push to its round's close
+``hvd_ps_open_round``                     gauge      the open round of each ``tensor``
+``hvd_ps_open_sessions``                  gauge      sessions holding state (tensor-name prefix)
+``hvd_ps_held_bytes``                     gauge      bytes of arrays the store holds
+========================================  =========  ==========================================
+
+The gauges are read from the store at scrape time through the ``gauges`` callable.
+``reason`` is the refusal's kind in snake case (``stale_round``, ``future_round``,
+``unknown_tensor``, ``round_failed``, ``pull_timeout``, ``invalid`` for malformed or
+inconsistent frames, ``unauthenticated`` for a missing or wrong token...).
 """
 
 from __future__ import annotations
 
+import re
 import threading
-from collections import defaultdict
-from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import Any
 
-_HELP = {
-    "hvd_ps_requests_total": ("counter", "Requests handled, by method and outcome."),
-    "hvd_ps_received_bytes_total": ("counter", "Frame bytes received."),
-    "hvd_ps_sent_bytes_total": ("counter", "Frame bytes sent."),
-    "hvd_ps_rounds_closed_total": ("counter", "Rounds closed with every worker's push."),
-    "hvd_ps_rounds_failed_total": ("counter", "Rounds failed at their deadline."),
-    "hvd_ps_checkpoints_total": ("counter", "Checkpoints written."),
-    "hvd_ps_open_round": ("gauge", "The open round of each tensor."),
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    start_http_server,
+)
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+disable_created_metrics()  # no `_created` sample beside every counter and histogram
+
+GaugeSamples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "hvd_ps_requests_total": ("Requests handled, by method and outcome.",
+                              ("method", "outcome")),
+    "hvd_ps_pushes_total": ("Pushes, by outcome (accepted or duplicate).", ("outcome",)),
+    "hvd_ps_rejected_requests_total": ("Requests refused, by method and reason.",
+                                       ("method", "reason")),
+    "hvd_ps_received_bytes_total": ("Frame bytes received.", ()),
+    "hvd_ps_sent_bytes_total": ("Frame bytes sent.", ()),
+    "hvd_ps_rounds_closed_total": ("Rounds closed with every worker's push.", ()),
+    "hvd_ps_rounds_failed_total": ("Rounds failed (deadline passed or conflicting pushes).",
+                                   ()),
+    "hvd_ps_checkpoints_total": ("Checkpoints written.", ()),
 }
+GAUGES: dict[str, str] = {
+    "hvd_ps_open_round": "The open round of each tensor.",
+    "hvd_ps_open_sessions": "Sessions (tensor-name prefixes before '/') holding state.",
+    "hvd_ps_held_bytes": "Bytes of arrays the store holds (pushes, residuals, aggregates).",
+}
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                   10.0, 30.0, 60.0, 120.0, 300.0)
+"""Histogram bounds in seconds: 1 ms (a loopback round) to 300 s (past the default
+120 s deadline)."""
+MAX_TRACKED_ROUNDS = 65536
+"""Open rounds whose push times are kept for the latency histograms; beyond this the
+oldest are forgotten (a tensor that expired never closes its round)."""
+
+
+def reason(err: BaseException | str) -> str:
+    """The ``reason`` label of a refusal: its class name in snake case, ``invalid`` for
+    the base ``RequestError``."""
+    name = err if isinstance(err, str) else type(err).__name__
+    if name == "RequestError":
+        return "invalid"
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+class _Gauges(Collector):
+    def __init__(self, labels: dict[str, str], gauges: Callable[[], GaugeSamples]) -> None:
+        self._labels, self._gauges = labels, gauges
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        samples = self._gauges()
+        for name, text in GAUGES.items():
+            rows = [(dict(labels), value) for (sample, labels), value in samples.items()
+                    if sample == name]
+            extra = sorted({key for labels, _ in rows for key in labels})
+            family = GaugeMetricFamily(name, text, labels=[*self._labels, *extra])
+            for labels, value in rows:
+                family.add_metric([*self._labels.values(), *(labels[k] for k in extra)],
+                                  value)
+            yield family
 
 
 class Metrics:
-    """Thread-safe counters plus gauges computed on scrape by ``gauges()``."""
+    """One shard's counters and latency histograms, plus gauges computed on scrape.
 
-    def __init__(self, labels: dict[str, str],
-                 gauges: Callable[[], dict[tuple[str, tuple[tuple[str, str], ...]], float]]
-                 ) -> None:
-        self.labels = labels
-        self._gauges = gauges
-        self._counters: dict[tuple[str, tuple[tuple[str, str], ...]], float] = \
-            defaultdict(float)
+    ``labels`` (``{"shard": "I/N"}``) go on every sample; ``gauges()`` returns the gauge
+    samples as ``{(name, ((label, value), ...)): value}`` for names in :data:`GAUGES`.
+    ``clock`` times the histograms (``time.monotonic``).
+    """
+
+    def __init__(self, labels: dict[str, str], gauges: Callable[[], GaugeSamples],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.labels = dict(labels)
+        self.clock = clock
+        self.registry = CollectorRegistry(auto_describe=True)
+        names = tuple(self.labels)
+        self._counters = {name: Counter(name, text, (*names, *extra), registry=self.registry)
+                          for name, (text, extra) in COUNTERS.items()}
+        self.round_latency = Histogram(
+            "hvd_ps_round_latency_seconds", "Time from a round's first accepted push to its "
+            "close.", names, buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.push_to_close = Histogram(
+            "hvd_ps_push_to_close_seconds", "Time from each accepted push to the close of its "
+            "round.", names, buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.registry.register(_Gauges(self.labels, gauges))
+        self._pushes: OrderedDict[tuple[str, int], list[float]] = OrderedDict()
         self._lock = threading.Lock()
 
+    def _counter(self, name: str, labels: dict[str, str]) -> Any:
+        if name not in self._counters:
+            raise ValueError(f"unknown metric {name!r}; known: {sorted(self._counters)}")
+        return self._counters[name].labels(**self.labels, **labels)
+
     def inc(self, name: str, amount: float = 1.0, **labels: str) -> None:
-        with self._lock:
-            self._counters[(name, tuple(sorted(labels.items())))] += amount
+        """Add ``amount`` to counter ``name`` (one of :data:`COUNTERS`) with ``labels``."""
+        self._counter(name, labels).inc(amount)
 
     def value(self, name: str, **labels: str) -> float:
+        """The current value of counter ``name`` with ``labels`` (0 if never counted)."""
+        if name not in self._counters:
+            raise ValueError(f"unknown metric {name!r}; known: {sorted(self._counters)}")
+        sample = self.registry.get_sample_value(name, {**self.labels, **labels})
+        return 0.0 if sample is None else sample
+
+    def pushed(self, tensor: str, round: int, accepted: bool) -> None:
+        """Count a push; an accepted one starts its clock for the latency histograms."""
+        self.inc("hvd_ps_pushes_total", outcome="accepted" if accepted else "duplicate")
+        if not accepted:
+            return
         with self._lock:
-            return self._counters.get((name, tuple(sorted(labels.items()))), 0.0)
+            self._pushes.setdefault((tensor, round), []).append(self.clock())
+            while len(self._pushes) > MAX_TRACKED_ROUNDS:
+                self._pushes.popitem(last=False)
+
+    def round_finished(self, tensor: str, round: int, error: str | None) -> None:
+        """Count a closed (``error`` None) or failed round; observe a closed one's
+        latencies from the pushes recorded by :meth:`pushed`."""
+        with self._lock:
+            times = self._pushes.pop((tensor, round), [])
+        if error is not None:
+            self.inc("hvd_ps_rounds_failed_total")
+            return
+        self.inc("hvd_ps_rounds_closed_total")
+        now = self.clock()
+        if times:
+            self.round_latency.labels(**self.labels).observe(now - min(times))
+        for start in times:
+            self.push_to_close.labels(**self.labels).observe(now - start)
+
+    def rejected(self, method: str, err: BaseException | str) -> None:
+        """Count a refused request by ``method`` and :func:`reason`."""
+        self.inc("hvd_ps_rejected_requests_total", method=method, reason=reason(err))
 
     def render(self) -> str:
-        with self._lock:
-            samples = dict(self._counters)
-        samples.update(self._gauges())
-        lines = []
-        for name in sorted({name for name, _ in samples}):
-            kind, text = _HELP.get(name, ("untyped", name))
-            lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
-            for (sample, labels), value in sorted(samples.items()):
-                if sample == name:
-                    pairs = {**self.labels, **dict(labels)}
-                    body = ",".join(f'{k}="{_escape(v)}"' for k, v in pairs.items())
-                    lines.append(f"{name}{{{body}}} {value:g}")
-        return "\n".join(lines) + "\n"
+        """The exposition text a scrape returns."""
+        from prometheus_client import generate_latest
 
-    def serve(self, host: str, port: int) -> ThreadingHTTPServer:
-        """Serve ``/metrics`` on ``host:port`` from a daemon thread."""
-        metrics = self
+        return generate_latest(self.registry).decode()
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                if self.path.split("?")[0] != "/metrics":
-                    self.send_error(404, "only /metrics is served")
-                    return
-                body = metrics.render().encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: object) -> None:
-                pass  # scrapes are not worth a log line each
-
-        server = ThreadingHTTPServer((host, port), Handler)
-        server.daemon_threads = True
-        threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+    def serve(self, host: str, port: int) -> Any:
+        """Serve ``/metrics`` on ``host:port`` (port 0 picks one) from a daemon thread;
+        returns the HTTP server (``server_address`` has the bound port)."""
+        server, _ = start_http_server(port, host, registry=self.registry)
         return server
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')

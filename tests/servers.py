@@ -20,12 +20,13 @@ class ServerProcess:
     """``python -m ps_server ...`` whose log lines are collected in ``self.lines``."""
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None,
-                 timeout: float = 60.0) -> None:
+                 timeout: float = 60.0, launcher: list[str] | None = None) -> None:
         self.args = args
         self.lines: list[str] = []
         self._queue: queue.Queue[str | None] = queue.Queue()
         full_env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **(env or {}))
-        self.proc = subprocess.Popen([sys.executable, "-m", "ps_server", *args], cwd=ROOT,
+        launcher = launcher or [sys.executable, "-m", "ps_server"]  # or a wrapper of it
+        self.proc = subprocess.Popen([*launcher, *args], cwd=ROOT,
                                      env=full_env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True,
                                      start_new_session=True)
