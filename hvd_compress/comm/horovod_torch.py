@@ -1,7 +1,17 @@
-"""Communicator over Horovod's PyTorch collectives (Gloo or MPI, CPU or GPU tensors)."""
+"""Communicator over Horovod's PyTorch collectives (Gloo or MPI, CPU or GPU tensors).
+
+Horovod 0.28.1 refuses some dtypes outright ("Tensor type torch.BFloat16Tensor is not
+supported"). Such tensors take an exact route (:data:`SUM_AS`, :data:`MOVE_AS`): sums run in
+a wider dtype that holds every sum exactly and are rounded back once (bfloat16 as float32:
+its 8-bit significand fits float32's 24 bits, so the only rounding is the final one, the
+same on every rank), and collectives that only move data (all-gather, all-to-all,
+broadcast) send the bit patterns as a same-sized integer type, so what arrives is the sent
+value bit for bit.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import horovod.torch as hvd
@@ -11,6 +21,27 @@ import torch
 from hvd_compress.comm.base import poll_until, split_gathered
 from hvd_compress.comm.ops import AllGather, AllReduce, AllToAll, Collective, SparseSum
 from hvd_compress.comm.sparse_frames import encode_sparse_frame, sum_frames
+
+SUM_AS: dict[torch.dtype, torch.dtype] = {torch.bfloat16: torch.float32}
+"""Dtypes Horovod cannot sum, and the dtype each is summed in."""
+MOVE_AS: dict[torch.dtype, torch.dtype] = {torch.bfloat16: torch.int16}
+"""Dtypes Horovod cannot move, and the same-sized dtype whose bits stand in for them."""
+
+
+def as_movable(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` or, for a dtype in :data:`MOVE_AS`, a view of its bits (same storage, so
+    an in-place collective on the view writes into ``tensor``). Needs a contiguous tensor
+    for such dtypes."""
+    wire = MOVE_AS.get(tensor.dtype)
+    return tensor if wire is None else tensor.view(wire)
+
+
+@dataclass
+class _Started:
+    op: Collective
+    handle: int
+    dtype: torch.dtype | None = None  # set when the result must be turned back into it
+    into: torch.Tensor | None = None  # an in-place all-reduce summed in another dtype
 
 
 class HorovodTorchCommunicator:
@@ -25,35 +56,45 @@ class HorovodTorchCommunicator:
         self.rank = self.process_set.rank()
         self.size = self.process_set.size()
 
-    def start(self, name: str, op: Collective) -> tuple[Collective, int]:
+    def start(self, name: str, op: Collective) -> _Started:
         ps = self.process_set
         if isinstance(op, AllReduce):
+            wide = SUM_AS.get(op.tensor.dtype)
+            if wide is not None:
+                handle = hvd.allreduce_async_(op.tensor.to(wide), name=name, op=hvd.Sum,
+                                              process_set=ps)
+                return _Started(op, handle, op.tensor.dtype,
+                                op.tensor if op.inplace else None)
             reduce = hvd.allreduce_async_ if op.inplace else hvd.allreduce_async
-            handle = reduce(op.tensor, name=name, op=hvd.Sum, process_set=ps)
-        elif isinstance(op, AllGather):
-            handle = hvd.allgather_async(op.tensor, name=name, process_set=ps)
-        elif isinstance(op, SparseSum):
+            return _Started(op, reduce(op.tensor, name=name, op=hvd.Sum, process_set=ps))
+        if isinstance(op, AllGather):
+            tensor = as_movable(op.tensor.contiguous())
+            return _Started(op, hvd.allgather_async(tensor, name=name, process_set=ps),
+                            op.tensor.dtype)
+        if isinstance(op, SparseSum):
             # Each rank's pairs as one frame (the parameter server's format): frames are
             # self-delimiting, so the gathered bytes split back into one frame per rank.
             frame = encode_sparse_frame(name, self.rank, op)
-            handle = hvd.allgather_async(torch.from_numpy(np.frombuffer(frame, np.uint8)),
-                                         name=name, process_set=ps)
-        elif isinstance(op, AllToAll):
+            return _Started(op, hvd.allgather_async(
+                torch.from_numpy(np.frombuffer(frame, np.uint8)), name=name, process_set=ps))
+        if isinstance(op, AllToAll):
             splits = torch.tensor(op.splits, dtype=torch.int32)
-            handle = hvd.alltoall_async(op.tensor, splits=splits, name=name, process_set=ps)
-        else:
-            raise TypeError(f"unknown collective request {op!r}")
-        return op, handle
+            tensor = as_movable(op.tensor.contiguous())
+            return _Started(op, hvd.alltoall_async(tensor, splits=splits, name=name,
+                                                   process_set=ps), op.tensor.dtype)
+        raise TypeError(f"unknown collective request {op!r}")
 
-    def wait(self, handle: tuple[Collective, int]) -> torch.Tensor | list[torch.Tensor]:
-        op, hvd_handle = handle
-        poll_until(lambda: hvd.poll(hvd_handle))  # synchronize alone would spin
-        result = hvd.synchronize(hvd_handle)
+    def wait(self, started: _Started) -> torch.Tensor | list[torch.Tensor]:
+        op = started.op
+        poll_until(lambda: hvd.poll(started.handle))  # synchronize alone would spin
+        result = hvd.synchronize(started.handle)
         if isinstance(op, AllReduce):
-            return result
-        if isinstance(op, AllGather):
-            return split_gathered(result, op.sizes)
+            if started.into is not None:
+                return started.into.copy_(result)
+            return result if started.dtype is None else result.to(started.dtype)
         if isinstance(op, SparseSum):
             return sum_frames(op, result.numpy())
+        if isinstance(op, AllGather):
+            return split_gathered(result.view(started.dtype), op.sizes)
         output, received = result
-        return list(torch.split(output, received.tolist()))
+        return list(torch.split(output.view(started.dtype), received.tolist()))

@@ -9,8 +9,9 @@ parameter-server ranks). Imported under an MPMD ``mpirun``, this module makes a 
 import horovod.torch as _horovod
 
 from hvd_compress.mpmd import guard as _guard
+from hvd_compress.torch.broadcast import broadcast_parameters
 from hvd_compress.torch.optimizer import DistributedOptimizer, broadcast_optimizer_state, init
 
 _guard(_horovod, "hvd_compress.torch")
 
-__all__ = ["DistributedOptimizer", "broadcast_optimizer_state", "init"]
+__all__ = ["DistributedOptimizer", "broadcast_optimizer_state", "broadcast_parameters", "init"]

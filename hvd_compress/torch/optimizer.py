@@ -25,6 +25,7 @@ from hvd_compress.compression import Compression
 from hvd_compress.pipeline import Pipeline, StepStats
 from hvd_compress.policy import Policy
 from hvd_compress.schemes.base import Scheme
+from hvd_compress.torch.broadcast import any_dtype_broadcasts
 
 STATE_KEY = "hvd_compress"
 
@@ -338,11 +339,14 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) 
 
     Horovod initialises an empty optimizer state by calling ``step()`` with zero gradients;
     on this optimizer that step runs locally, without an exchange, so no compression state
-    (residuals, step counters) changes.
+    (residuals, step counters) changes. Tensors of dtypes Horovod cannot broadcast
+    (bfloat16 momentum buffers, Adam moments) travel as their bit patterns
+    (:func:`hvd_compress.torch.broadcast.broadcast_parameters`).
     """
     local_step = getattr(optimizer, "_local_step", None)
-    if local_step is not None:
-        with local_step():
+    with any_dtype_broadcasts():
+        if local_step is not None:
+            with local_step():
+                hvd.broadcast_optimizer_state(optimizer, root_rank)
+        else:
             hvd.broadcast_optimizer_state(optimizer, root_rank)
-    else:
-        hvd.broadcast_optimizer_state(optimizer, root_rank)
