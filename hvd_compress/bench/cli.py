@@ -135,8 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
     clus.add_argument("--horovod", nargs="*", choices=["none", "fp16"],
                       help="stock Horovod configurations (default: none fp16)")
     clus.add_argument("--controller", choices=["gloo", "mpi"], default="gloo",
-                      help="how Horovod runs: its Gloo controller (as horovodrun --gloo), or "
-                      "mpirun with OpenMPI's ring all-reduce (default gloo)")
+                      help="how hvd-compress's Horovod runs: its Gloo controller (as "
+                      "horovodrun --gloo), or mpirun with OpenMPI's ring all-reduce "
+                      "(default gloo)")
+    clus.add_argument("--horovod-controllers", nargs="+", choices=["gloo", "mpi"],
+                      help="stock Horovod's controllers, one row each (default: gloo mpi)")
+    clus.add_argument("--max-epochs", type=_positive_int,
+                      help="most digits epochs of a configuration that has not reached the "
+                      "target within the time budget (default 60)")
     clus.add_argument("--bucket-mb", type=float,
                       help="hvd-compress's bucket size (default: the optimizer's)")
     clus.add_argument("--accuracy-rate", type=_rate,
@@ -166,7 +172,8 @@ def _cluster(args: argparse.Namespace) -> None:
     given = {"ranks": args.ranks, "rates": args.rates, "model": args.model,
              "steps": args.steps, "warmup": args.warmup, "schemes": args.schemes,
              "ddp": args.ddp, "horovod": args.horovod, "bucket_mb": args.bucket_mb,
-             "accuracy_rate": args.accuracy_rate, "epochs": args.epochs, "hidden": args.hidden}
+             "accuracy_rate": args.accuracy_rate, "epochs": args.epochs, "hidden": args.hidden,
+             "horovod_controllers": args.horovod_controllers, "max_epochs": args.max_epochs}
     plan = dataclasses.replace(
         plan, latency_ms=args.latency_ms, controller=args.controller, timeout=args.timeout,
         progress=lambda text: print(text, file=sys.stderr, flush=True),

@@ -21,6 +21,7 @@ Systems:
 from __future__ import annotations
 
 import argparse
+import collections
 import faulthandler
 import itertools
 import json
@@ -153,6 +154,19 @@ class _System:
             gathered = list(hvd.allgather(local.unsqueeze(0), name="cluster.check").unbind(0))
         return all(torch.equal(g, gathered[0]) for g in gathered)
 
+    def rank0(self, flag: bool) -> bool:
+        """Rank 0's ``flag`` on every rank (a decision every rank must take alike)."""
+        value = torch.tensor([float(flag) if self.rank == 0 else 0.0])
+        if self.name == "ddp":
+            import torch.distributed as dist
+
+            dist.all_reduce(value)
+        else:
+            import horovod.torch as hvd
+
+            value = hvd.allreduce(value, op=hvd.Sum, name="cluster.rank0")
+        return bool(value.item())
+
     def barrier(self, tag: str) -> None:
         if self.name == "ddp":
             import torch.distributed as dist
@@ -175,9 +189,18 @@ def _stats(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     stats = getattr(optimizer, "compression_stats", None)
     if stats is None:
         return {}
-    return {"payload_bytes": stats.payload_bytes, "dense_bytes": stats.dense_bytes,
-            "collective_bytes": dict(stats.collective_bytes),
-            "collectives": stats.collectives}
+    out = {"payload_bytes": stats.payload_bytes, "dense_bytes": stats.dense_bytes,
+           "collective_bytes": dict(stats.collective_bytes),
+           "collectives": stats.collectives}
+    pipeline = getattr(optimizer, "_pipeline", None)
+    decision = getattr(pipeline, "auto_decision", None)
+    if decision is not None:  # Compression.auto: what it chose, from what
+        out["auto"] = {"routes": dict(collections.Counter(decision.routes.values())),
+                       "predicted_exchange_s": decision.predicted,
+                       "dense_predicted_exchange_s": decision.dense_predicted,
+                       "latency_s": decision.link.latency,
+                       "bandwidth_bytes_s": decision.link.bandwidth}
+    return out
 
 
 def run_config(system: _System, widths: Sequence[int], config: dict[str, Any], steps: int,
@@ -253,9 +276,16 @@ def digits_shard(rank: int, size: int) -> tuple[torch.Tensor, ...]:
 
 
 def run_digits(system: _System, hidden: int, config: dict[str, Any], epochs: int,
-               progress: Callable[[str], None]) -> dict[str, Any]:
-    """Train ``64-hidden-hidden-10`` on digits for ``epochs``; after each epoch, the
-    training seconds so far (evaluation not counted) and the test accuracy."""
+               progress: Callable[[str], None], budget_s: float | None = None,
+               target: float | None = None, max_epochs: int | None = None
+               ) -> dict[str, Any]:
+    """Train ``64-hidden-hidden-10`` on digits; after each epoch, the training seconds so
+    far (evaluation not counted) and the test accuracy.
+
+    Without ``budget_s``: ``epochs`` epochs. With it, time decides, not epochs: after
+    ``epochs`` epochs the run goes on while it has not reached ``target`` accuracy, until
+    its training seconds reach ``budget_s`` or ``max_epochs`` epochs (rank 0's clock
+    decides for every rank)."""
     x_train, y_train, x_test, y_test = digits_shard(system.rank, system.size)
     model = make_model((64, hidden, hidden, 10))
     forward, optimizer, settings = system.wrap(model, config, DIGITS_LR, DIGITS_MOMENTUM)
@@ -263,7 +293,8 @@ def run_digits(system: _System, hidden: int, config: dict[str, Any], epochs: int
     order = torch.Generator().manual_seed(system.rank)
     loss_fn = nn.CrossEntropyLoss()
     seconds, curve = 0.0, []
-    for epoch in range(epochs):
+    limit = max(epochs, max_epochs or epochs) if budget_s is not None else epochs
+    for epoch in range(limit):
         perm = torch.randperm(len(x_train), generator=order)
         model.train()
         start = time.perf_counter()
@@ -277,10 +308,14 @@ def run_digits(system: _System, hidden: int, config: dict[str, Any], epochs: int
         with torch.no_grad():
             accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
         curve.append((seconds, accuracy))
-        progress(f"{config['scheme']} digits epoch {epoch + 1}/{epochs} "
+        progress(f"{config['scheme']} digits epoch {epoch + 1}/{limit} "
                  f"{seconds:.1f} s, accuracy {accuracy:.4f}")
+        if budget_s is not None and epoch + 1 >= epochs and system.rank0(
+                seconds >= budget_s or (target is not None and accuracy >= target)):
+            break
     return {"scheme": config["scheme"], "task": "digits", "settings": settings,
-            "hidden": hidden, "epochs": epochs, "steps_per_epoch": steps,
+            "hidden": hidden, "epochs": len(curve), "steps_per_epoch": steps,
+            "budget_s": budget_s,
             "lr": DIGITS_LR, "momentum": DIGITS_MOMENTUM,
             "curve_s": [c[0] for c in curve], "curve_accuracy": [c[1] for c in curve],
             "final_accuracy": curve[-1][1], "replicas_agree": system.replicas_agree(model),
@@ -302,6 +337,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--digits-epochs", type=int, default=0,
                         help="train on digits for this many epochs instead of timing steps")
     parser.add_argument("--digits-hidden", type=int, default=1024)
+    parser.add_argument("--digits-budget-s", type=float,
+                        help="after --digits-epochs, go on until this many training seconds "
+                        "or --digits-target accuracy")
+    parser.add_argument("--digits-target", type=float)
+    parser.add_argument("--digits-max-epochs", type=int)
     args = parser.parse_args(argv)
     rank_hint = os.environ.get("HOROVOD_RANK") or os.environ.get("RANK") \
         or os.environ.get("OMPI_COMM_WORLD_RANK", "x")
@@ -318,7 +358,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     for config in json.loads(args.configs):
         if args.digits_epochs:
             rows.append(run_digits(system, args.digits_hidden, config, args.digits_epochs,
-                                   progress))
+                                   progress, args.digits_budget_s, args.digits_target,
+                                   args.digits_max_epochs))
         else:
             rows.append(run_config(system, MODELS[args.model], config, args.steps,
                                    args.warmup, progress))
