@@ -62,10 +62,14 @@ class Run:
 
 def train(scheme: Scheme, make_optimizer: OptimizerFactory, steps: int = 300,
           size: int = 2, batch_size: int = 32, seed: int = 0,
-          policy: Policy | None = None) -> list[Run]:
+          policy: Policy | None = None, check: bool = True) -> list[Run]:
     """Train ``steps`` steps on ``size`` ranks (rank ``r`` draws its batches from the
-    ``r``-th shard of the training set); every rank's :class:`Run`."""
+    ``r``-th shard of the training set); every rank's :class:`Run`. ``check``: first call
+    ``scheme.check_optimizer`` as the optimizer wrapper does (its errors and warnings
+    reach the caller); ``False`` runs a configuration the wrapper would refuse."""
     x_train, y_train, x_test, y_test = digits()
+    if check:
+        scheme.check_optimizer(make_optimizer(list(make_model(seed).parameters())))
     group = ThreadGroup(size, timeout=120)
     loss_fn = nn.CrossEntropyLoss()
     initial = make_model(seed).state_dict()  # the seed is global: not drawn on threads

@@ -60,7 +60,8 @@ def test_dgc_converges_with_its_momentum_and_diverges_with_both() -> None:
     steps = 600
     reference = harness.train(Compression.none, harness.sgd(0.1, 0.9), steps=steps)[0]
     alone = harness.train(Compression.dgc(momentum=0.9), harness.sgd(0.1, 0.0), steps=steps)
-    both = harness.train(Compression.dgc(momentum=0.9), harness.sgd(0.1, 0.9), steps=steps)
+    both = harness.train(Compression.dgc(momentum=0.9), harness.sgd(0.1, 0.9), steps=steps,
+                         check=False)
     assert torch.equal(alone[0].params, alone[1].params)
     assert reference.accuracy > 95
     assert alone[0].accuracy > reference.accuracy - 2.0, (alone[0].accuracy, reference.accuracy)
@@ -85,3 +86,43 @@ def test_terngrad_clips_by_default_and_converges_where_unclipped_diverges() -> N
     assert max(clipped[0].losses) < 2.5  # never above the initial loss (ln 10 = 2.30)
     assert max(unclipped.losses) > 100 and unclipped.accuracy < 50, (max(unclipped.losses),
                                                                     unclipped.accuracy)
+
+
+# Every scheme at its defaults, with the optimizers users bring ---------------------------
+SCHEMES = ("none", "fp16", "bf16", "onebit", "qsgd", "terngrad", "powersgd", "topk", "randomk",
+           "dgc")
+OPTIMIZERS = {"sgd-momentum": harness.sgd(0.1, 0.9), "adamw": harness.adamw(1e-3)}
+REFUSED = {("dgc", "sgd-momentum")}
+"""Refused at construction with an error (DGC applies momentum itself)."""
+WARNED = {("onebit", "sgd-momentum"), ("randomk", "sgd-momentum")}
+"""Warned at construction: error feedback's delayed bursts under momentum 0.9 (measured
+there: 61.7% and 19.4% test accuracy)."""
+_REFERENCE: dict[str, harness.Run] = {}
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+@pytest.mark.parametrize("spec", SCHEMES)
+def test_defaults_converge_or_say_why_not(spec: str, optimizer: str) -> None:
+    """No configuration diverges silently: it trains (the loss never above twice its
+    initial value, where the diverging runs reach 16 to 5e9; at least 80% test accuracy
+    after 500 steps and no more than 15 points below uncompressed: top-k and DGC at 0.1%
+    density are the slow ones under AdamW, about 83% against 97%), or it is refused, or
+    warned about, at construction."""
+    steps, make = 500, OPTIMIZERS[optimizer]
+    if (spec, optimizer) in REFUSED:
+        with pytest.raises(ValueError, match="momentum=0"):
+            harness.train(Compression.parse(spec), make, steps=steps)
+        return
+    if (spec, optimizer) in WARNED:
+        with pytest.warns(UserWarning, match="momentum=0.9 in parameter group 0"):
+            Compression.parse(spec).check_optimizer(make(_model_params()))
+        return
+    if optimizer not in _REFERENCE:
+        _REFERENCE[optimizer] = harness.train(Compression.none, make, steps=steps)[0]
+    reference = _REFERENCE[optimizer]
+    runs = harness.train(Compression.parse(spec), make, steps=steps)
+    assert torch.equal(runs[0].params, runs[1].params)
+    run = runs[0]
+    assert max(run.losses) < 2 * run.losses[0], max(run.losses)
+    assert run.accuracy > max(80.0, reference.accuracy - 15), (run.accuracy,
+                                                               reference.accuracy)

@@ -19,6 +19,7 @@ it), so nothing of the scheme runs and the run is plain local training.
 from __future__ import annotations
 
 import hashlib
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Generator, Mapping
 from dataclasses import dataclass, field
@@ -234,6 +235,28 @@ class Scheme(ABC):
 
     def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
         return self.compress(tensor)[0]
+
+
+HEAVY_MOMENTUM = 0.9
+"""The optimizer momentum from which :func:`warn_heavy_momentum` warns."""
+
+
+def warn_heavy_momentum(scheme: Scheme, optimizer: Any, measured: str) -> None:
+    """Warn (``UserWarning``) when a parameter group of ``optimizer`` has ``momentum`` of at
+    least :data:`HEAVY_MOMENTUM`: error feedback hands every element's delayed residual to
+    the optimizer in bursts, and heavy momentum multiplies each burst by up to
+    ``1 / (1 - momentum)``. Whether that diverges depends on the learning rate, so it is a
+    warning (with ``measured``, the scheme's figures) rather than an error."""
+    for index, group in enumerate(getattr(optimizer, "param_groups", [])):
+        momentum = group.get("momentum", 0) or 0
+        if momentum >= HEAVY_MOMENTUM:
+            warnings.warn(
+                f"{scheme!r} sends its error-feedback residuals in delayed bursts, and the "
+                f"wrapped optimizer {type(optimizer).__name__} has momentum={momentum} in "
+                f"parameter group {index}, which amplifies them: {measured} Lower the "
+                f"momentum (0.8 or less) or the learning rate, and watch "
+                f"ErrorFeedback.report() for a growing residual.", UserWarning, stacklevel=3)
+            return
 
 
 class PackedScheme(Scheme):

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from hvd_compress import native, wire
-from hvd_compress.schemes.base import PackedScheme, bucket_view
+from hvd_compress.schemes.base import PackedScheme, bucket_view, warn_heavy_momentum
 
 
 class OneBit(PackedScheme):
@@ -26,7 +26,10 @@ class OneBit(PackedScheme):
     quantisation noise. Measured on the digits example (2 ranks, SGD): with lr 0.25 and
     momentum 0.5, 96.9% test accuracy against 96.4% uncompressed after 20 epochs; with lr
     0.05 and momentum 0.9, 94.2% against 97.8% after 30 epochs (97.2% with
-    ``bucket_size=128``). Smaller buckets or lower momentum help.
+    ``bucket_size=128``). Smaller buckets or lower momentum help; with momentum 0.9 and lr
+    0.1 (600 steps) it reached 61.7% against 98.6% uncompressed (98.1% with momentum 0.8),
+    so the optimizer wrapper warns for momentum of 0.9 or more (:meth:`check_optimizer`).
+    Adam-type optimizers are unaffected (AdamW lr 1e-3: 92.2% against 97.5%, 600 steps).
 
     The scale is summed in float64 and rounded to float32 once. CPU tensors are coded by
     :mod:`hvd_compress.native`, to the same bytes as the torch code here (which other
@@ -68,5 +71,14 @@ class OneBit(PackedScheme):
         scale = wire.bytes_to_floats(scales).repeat_interleave(self.bucket_size)[:numel]
         return signs.mul_(scale)
 
+    def check_optimizer(self, optimizer: Any) -> None:
+        """Warns for optimizer momentum of 0.9 or more (:func:`warn_heavy_momentum`)."""
+        warn_heavy_momentum(self, optimizer, ONEBIT_MEASURED)
+
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "bucket_size": self.bucket_size}
+
+
+ONEBIT_MEASURED = ("on digits (2 ranks, SGD lr 0.1, 600 steps) 1-bit reached 61.7% test "
+                   "accuracy with momentum 0.9 against 98.6% uncompressed, and 98.1% with "
+                   "momentum 0.8.")

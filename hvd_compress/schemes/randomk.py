@@ -8,7 +8,14 @@ from typing import Any
 import torch
 
 from hvd_compress.comm.ops import AllReduce
-from hvd_compress.schemes.base import Exchange, ExchangeContext, Outcome, Scattered, Scheme
+from hvd_compress.schemes.base import (
+    Exchange,
+    ExchangeContext,
+    Outcome,
+    Scattered,
+    Scheme,
+    warn_heavy_momentum,
+)
 from hvd_compress.schemes.topk import check_ratio, sparse_count
 
 
@@ -19,7 +26,9 @@ class RandomK(Scheme):
     (seed, tensor, step), so the values are summable: only the ``k`` values travel, by
     a plain all-reduce (4 bytes per kept element, ``1 / ratio`` times smaller than
     float32), and no index crosses the wire. Unscaled, with error feedback: an element
-    missed this step is sent later.
+    missed this step is sent later. An element waits about ``1 / ratio`` steps, so heavy
+    optimizer momentum amplifies the delayed bursts: the optimizer wrapper warns for
+    momentum of 0.9 or more (:meth:`check_optimizer`).
     """
 
     name = "randomk"
@@ -44,5 +53,14 @@ class RandomK(Scheme):
         sent = Scattered(indices, values, x.shape)
         return Outcome(aggregate, sent, 4 * k)
 
+    def check_optimizer(self, optimizer: Any) -> None:
+        """Warns for optimizer momentum of 0.9 or more (:func:`warn_heavy_momentum`)."""
+        warn_heavy_momentum(self, optimizer, RANDOMK_MEASURED)
+
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "ratio": self.ratio}
+
+
+RANDOMK_MEASURED = ("on digits (2 ranks, SGD lr 0.1, 600 steps) random-k at ratio 0.01 reached "
+                    "19.4% test accuracy with momentum 0.9 (its loss peaked at 16) against "
+                    "98.6% uncompressed, and 96.4% with momentum 0.8.")
