@@ -31,6 +31,7 @@ PUSH_ACCEPTED = b"accepted"
 PUSH_DUPLICATE = b"duplicate"
 TOKEN_METADATA = "authorization"
 TOKEN_ENV = "HVD_COMPRESS_PS_TOKEN"
+JOB_SIZE_METADATA = "hvd-job-workers"  # the client's number of workers, on every call
 MPI_REQUEST_TAG = 7301
 MPI_REPLY_TAG = 7302
 MPI_OPS = ("push", "pull", "bye")

@@ -73,14 +73,24 @@ def _parse_fault(spec: str | None) -> tuple[str | None, int]:
 _fault_step, _fault_left = _parse_fault(os.environ.get(FAULT_ENV))
 
 
-def fault_point(step: str) -> None:
-    """Kill this process (SIGKILL) if ``$HVD_COMPRESS_PS_FAULT`` names ``step`` and this
-    is the time it asked for; otherwise nothing."""
+def fault_due(step: str) -> bool:
+    """Whether ``$HVD_COMPRESS_PS_FAULT`` asks to die at this occurrence of ``step``
+    (each call counts one occurrence)."""
     global _fault_left
     if step != _fault_step:
-        return
+        return False
     _fault_left -= 1
-    if _fault_left == 0:
+    return _fault_left == 0
+
+
+def fault_point(step: str, partial: tuple[int, bytes | memoryview] | None = None) -> None:
+    """Kill this process (SIGKILL) if this occurrence of ``step`` is the one
+    ``$HVD_COMPRESS_PS_FAULT`` asks for, first writing ``partial`` = (file descriptor,
+    the first half of what was about to be written) when given; otherwise nothing."""
+    if fault_due(step):
+        if partial is not None:
+            fd, data = partial
+            os.write(fd, data[: len(data) // 2])
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -118,10 +128,7 @@ def save(path: Path, snapshot: dict[str, Any], generation: int = 0) -> None:
     tmp = path.with_name(path.name + ".tmp")
     data = buffer.getbuffer()
     with open(tmp, "wb") as f:
-        if _fault_step == "snapshot-write":
-            f.write(data[: len(data) // 2])
-            f.flush()
-            fault_point("snapshot-write")
+        fault_point("snapshot-write", (f.fileno(), data))
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -185,9 +192,7 @@ class Journal:
                 arrays += [c.indices.astype(np.int64, copy=False),
                            c.values.astype(np.float32, copy=False)]
         data = _record(entries, arrays)
-        if _fault_step == "journal-write":
-            os.write(self._fd, data[: len(data) // 2])
-            fault_point("journal-write")
+        fault_point("journal-write", (self._fd, data))
         self._write(data)
         self.records += 1
         self.bytes += len(data)

@@ -1,14 +1,28 @@
 """The gRPC transport: ``Push`` and ``Pull`` over raw ``bytes``, no generated code.
 
-Methods of service :data:`~hvd_compress.ps_protocol.GRPC_SERVICE` are unary-unary with
-a frame as request and response (``Push`` answers ``b"accepted"`` or ``b"duplicate"``).
-Refusals map to gRPC status codes with a message saying what is wrong. With a token, every
-call but the standard health service (``grpc.health.v1.Health``) must carry metadata
-``authorization: Bearer <token>``. Message sizes are capped both ways.
+Methods of service :data:`~hvd_compress.ps_protocol.GRPC_SERVICE` are unary-unary with a
+frame as request and response (``Push`` answers ``b"accepted"`` or ``b"duplicate"``).
+Refusals map to gRPC status codes with a message saying what is wrong.
+
+The server is gRPC's asyncio server, running its event loop in a thread of its own. A
+pull that waits for its round is a coroutine parked on a per-tensor event (set when the
+store says the tensor's round finished, failed, or became durable), not a thread: any
+number of workers can wait at once, and pushes never queue behind waiting pulls. Pushes
+are decoded and summed in a pool of ``threads`` threads, so one large push does not stall
+the loop.
+
+Before any request body is read, an interceptor checks the call's metadata: with a
+token, every call but the standard health service (``grpc.health.v1.Health``) must carry
+``authorization: Bearer <token>``; a call stating its job size
+(:data:`~hvd_compress.ps_protocol.JOB_SIZE_METADATA`) must match ``--workers``. A refused
+call is answered by a streaming handler that never reads the request, so an
+unauthenticated client cannot make the server buffer its message; the refusal is logged
+with the peer's address. Message sizes are capped both ways.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import threading
@@ -19,90 +33,195 @@ from typing import Any, Protocol
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from hvd_compress.ps_protocol import GRPC_SERVICE, TOKEN_METADATA
+from hvd_compress.ps_protocol import GRPC_SERVICE, JOB_SIZE_METADATA, TOKEN_METADATA
 from ps_server.service import ShardService
 from ps_server.store import RequestError
 
 log = logging.getLogger("ps_server")
 
-
-class _TokenInterceptor(grpc.ServerInterceptor):
-    """Refuse calls without the right bearer token (health checks excepted)."""
-
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
-
-        def deny(request: bytes, context: grpc.ServicerContext) -> None:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          "missing or wrong token: pass the server's token (--token-file or "
-                          "HVD_COMPRESS_PS_TOKEN) to the client")
-
-        self._deny = grpc.unary_unary_rpc_method_handler(deny)
-
-    def intercept_service(self, continuation: Callable[[Any], Any],
-                          details: grpc.HandlerCallDetails) -> Any:
-        if details.method.startswith(f"/{health.SERVICE_NAME}/"):
-            return continuation(details)
-        sent = dict(details.invocation_metadata or ()).get(TOKEN_METADATA, "")
-        sent = sent.encode() if isinstance(sent, str) else sent
-        if hmac.compare_digest(sent, self._expected):
-            return continuation(details)
-        log.warning("refused %s: missing or wrong token", details.method)
-        return self._deny
+_TOKEN_HELP = ("missing or wrong token: pass the server's token (--token-file or "
+               "HVD_COMPRESS_PS_TOKEN) to the client")
 
 
 class FrameHandler(Protocol):
     """What :func:`serve` answers requests with: a :class:`ShardService` (or, to measure
-    the transport alone, a handler that does no work)."""
+    the transport alone, a handler that does no work and answers pulls at once)."""
 
     def push(self, data: bytes, peer: str) -> bytes: ...
 
     def pull(self, data: bytes, peer: str, timeout: float) -> bytes: ...
 
 
+def _refusal(code: grpc.StatusCode, message: Callable[[str], str]) -> grpc.RpcMethodHandler:
+    """A handler that refuses the call without reading its request (a stream it never
+    iterates), logging the peer."""
+
+    async def refuse(requests: Any, context: grpc.aio.ServicerContext) -> bytes:
+        text = message(context.peer())
+        await context.abort(code, text)
+
+    return grpc.stream_unary_rpc_method_handler(refuse)
+
+
+class _Gate(grpc.aio.ServerInterceptor):
+    """Refuse, on metadata alone, calls without the right token (health checks excepted)
+    and calls from a job whose size differs from the server's ``--workers``."""
+
+    def __init__(self, token: str | None, service: FrameHandler) -> None:
+        self._expected = None if token is None else f"Bearer {token}".encode()
+        self._service = service
+
+        def unauthenticated(peer: str) -> str:
+            log.warning("refused a call from %s: missing or wrong token", peer)
+            return _TOKEN_HELP
+
+        self._deny = _refusal(grpc.StatusCode.UNAUTHENTICATED, unauthenticated)
+
+    async def intercept_service(self, continuation: Callable[[Any], Any],
+                                details: grpc.HandlerCallDetails) -> Any:
+        if details.method.startswith(f"/{health.SERVICE_NAME}/"):
+            return await continuation(details)
+        metadata = dict(details.invocation_metadata or ())
+        if self._expected is not None:
+            sent = metadata.get(TOKEN_METADATA, "")
+            sent = sent.encode() if isinstance(sent, str) else sent
+            if not hmac.compare_digest(sent, self._expected):
+                return self._deny
+        size = metadata.get(JOB_SIZE_METADATA)
+        store = getattr(self._service, "store", None)
+        if size is not None and store is not None and size != str(store.workers):
+            return _refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                            lambda peer: self._mismatch(size, peer))
+        return await continuation(details)
+
+
+    def _mismatch(self, size: str, peer: str) -> str:
+        """The logged refusal of a job of ``size`` workers."""
+        if not size.isdigit():
+            return f"metadata {JOB_SIZE_METADATA}={size!r} is not a number of workers"
+        try:
+            self._service.check_job_size(int(size), peer)
+        except RequestError as err:
+            return str(err)
+        return f"job size {size} accepted"  # not reached: the sizes differ
+
+
+class GrpcServer:
+    """A running :func:`serve`: its event loop thread and the gRPC server on it."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, thread: threading.Thread,
+                 server: grpc.aio.Server, executor: futures.ThreadPoolExecutor) -> None:
+        self.loop, self.thread, self.server, self.executor = loop, thread, server, executor
+
+    def stop(self, grace: float | None = None) -> threading.Event:
+        """Stop serving (calls in flight get ``grace`` seconds); the returned event is set
+        once the server and its loop have stopped."""
+        done = threading.Event()
+
+        async def shut_down() -> None:
+            await self.server.stop(grace)
+            self.loop.call_soon(self.loop.stop)
+
+        if self.thread.is_alive():
+            asyncio.run_coroutine_threadsafe(shut_down(), self.loop)
+            self.thread.join()
+        self.executor.shutdown(wait=False)
+        done.set()
+        return done
+
+
 def serve(service: FrameHandler, bind: str, pull_timeout: float, token: str | None = None,
           tls: tuple[bytes, bytes] | None = None, max_message_bytes: int = 256 << 20,
-          threads: int = 64) -> tuple[grpc.Server, int]:
+          threads: int = 64) -> tuple[GrpcServer, int]:
     """Start the gRPC server; returns it and the bound port (``bind`` may use port 0).
 
     A pull waits for its round up to the client's deadline, or ``pull_timeout`` seconds
-    if the call has none. ``tls`` is ``(private key PEM, certificate chain PEM)``. Pulls
-    hold a thread until their round finishes, so ``threads`` should exceed workers times
-    tensors in flight.
+    if the call has none. ``tls`` is ``(private key PEM, certificate chain PEM)``.
+    ``threads`` bounds the pushes processed at once (waiting pulls hold no thread).
     """
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="grpc-loop", daemon=True)
+    thread.start()
+    executor = futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grpc")
+    try:
+        server, port = asyncio.run_coroutine_threadsafe(
+            _start(service, bind, pull_timeout, token, tls, max_message_bytes, executor),
+            loop).result()
+    except BaseException:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        executor.shutdown(wait=False)
+        raise
+    return GrpcServer(loop, thread, server, executor), port
 
-    def call(method: Callable[[bytes, str, grpc.ServicerContext], bytes]
-             ) -> Callable[[bytes, grpc.ServicerContext], bytes]:
-        def handler(request: bytes, context: grpc.ServicerContext) -> bytes:
-            try:
-                return method(request, context.peer(), context)
-            except RequestError as err:
-                context.abort(grpc.StatusCode[err.code], str(err))
 
-        return handler
+async def _start(service: FrameHandler, bind: str, pull_timeout: float, token: str | None,
+                 tls: tuple[bytes, bytes] | None, max_message_bytes: int,
+                 executor: futures.ThreadPoolExecutor) -> tuple[grpc.aio.Server, int]:
+    loop = asyncio.get_running_loop()
+    waiters: dict[str, asyncio.Event] = {}
 
-    def push(request: bytes, peer: str, context: grpc.ServicerContext) -> bytes:
-        return service.push(request, peer)
+    def wake(tensor: str) -> None:
+        event = waiters.pop(tensor, None)
+        if event is not None:
+            event.set()
 
-    def pull(request: bytes, peer: str, context: grpc.ServicerContext) -> bytes:
+    def changed(tensor: str) -> None:  # called from any thread, with the store's lock
+        try:
+            loop.call_soon_threadsafe(wake, tensor)
+        except RuntimeError:  # the loop has stopped
+            pass
+
+    store = getattr(service, "store", None)
+    if store is not None:
+        store.listeners.append(changed)
+
+    async def refuse(context: grpc.aio.ServicerContext, err: RequestError) -> None:
+        await context.abort(grpc.StatusCode[err.code], str(err))
+
+    async def push(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        try:
+            return await loop.run_in_executor(executor, service.push, request,
+                                              context.peer())
+        except RequestError as err:
+            await refuse(context, err)
+
+    async def pull(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        peer = context.peer()
         remaining = context.time_remaining()
         timeout = pull_timeout if remaining is None else max(remaining, 0.0)
-        return service.pull(request, peer, timeout)
+        try:
+            if not isinstance(service, ShardService):  # answers at once (no rounds)
+                return await loop.run_in_executor(executor, service.pull, request, peer,
+                                                  timeout)
+            frame = service.decode_pull(request, peer)
+            give_up = loop.time() + timeout
+            while True:
+                event = waiters.setdefault(frame.tensor, asyncio.Event())
+                result = service.try_pull(frame, peer)
+                if result is not None:
+                    return result
+                left = give_up - loop.time()
+                if left <= 0:
+                    service.timed_out(frame, peer, timeout)
+                try:
+                    await asyncio.wait_for(event.wait(), left)
+                except TimeoutError:
+                    pass
+        except RequestError as err:
+            await refuse(context, err)
 
     handlers = {
-        "Push": grpc.unary_unary_rpc_method_handler(call(push)),
-        "Pull": grpc.unary_unary_rpc_method_handler(call(pull)),
+        "Push": grpc.unary_unary_rpc_method_handler(push),
+        "Pull": grpc.unary_unary_rpc_method_handler(pull),
     }
     options = [("grpc.max_receive_message_length", max_message_bytes),
                ("grpc.max_send_message_length", max_message_bytes),
                ("grpc.so_reuseport", 0)]
-    interceptors = [_TokenInterceptor(token)] if token else []
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads,
-                                                    thread_name_prefix="grpc"),
-                         interceptors=interceptors, options=options)
+    server = grpc.aio.server(interceptors=[_Gate(token, service)], options=options)
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(GRPC_SERVICE, handlers),))
-    health_servicer = health.HealthServicer()
+    health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:
         if tls is None:
@@ -113,14 +232,14 @@ def serve(service: FrameHandler, bind: str, pull_timeout: float, token: str | No
         raise OSError(f"cannot listen on {bind}: {err} (port in use?)") from err
     if not port:
         raise OSError(f"cannot listen on {bind} (port in use?)")
-    server.start()
+    await server.start()
     for name in ("", GRPC_SERVICE):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, port
 
 
 def tick_forever(service: ShardService, stop: threading.Event) -> threading.Thread:
-    """Expire rounds and write due checkpoints from a daemon thread until ``stop``."""
+    """Expire rounds and idle tensors from a daemon thread until ``stop``."""
     interval = min(0.5, service.store.deadline / 4)
 
     def loop() -> None:

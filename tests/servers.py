@@ -10,6 +10,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
+
+import pytest
 
 from tests.harness import ROOT
 
@@ -74,3 +77,19 @@ class ServerProcess:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, sig)
         self.proc.wait(timeout=20)
+
+
+@pytest.fixture(name="start")
+def start_servers() -> Iterator[Callable[..., ServerProcess]]:
+    """Start servers (``start(*args, env=...)``, on a free port) that are killed at
+    teardown, whatever happens. Test modules import it to use it as a fixture."""
+    started: list[ServerProcess] = []
+
+    def run(*args: str, **kw: object) -> ServerProcess:
+        server = ServerProcess(["--bind", "127.0.0.1:0", *args], **kw)
+        started.append(server)
+        return server
+
+    yield run
+    for server in started:
+        server.kill()

@@ -16,7 +16,7 @@ import torch
 
 from hvd_compress.comm.ps_client import GRPC_SERVICE, PSClient, PSError, shard_bounds
 from hvd_compress.sparse_wire import Kind, decode_frame, encode_frame
-from tests.servers import ServerProcess
+from tests.servers import ServerProcess, start_servers  # noqa: F401 (fixture `start`)
 
 pytestmark = pytest.mark.timeout(120)
 TOKEN = "t0ken-for-tests"
@@ -103,10 +103,26 @@ def _push(worker, round, idx, val, tensor="raw", numel=None, shard=0):
                         np.array(val, np.float32))
 
 
-def test_duplicate_ignored_stale_and_future_rejected(cluster):
+def test_conflicting_push_fails_the_round_for_both_senders(cluster):
+    server = cluster[0]
+    assert _raw(server, "Push", _push(0, 0, [1], [1.0], "conflict")) == b"accepted"
+    with pytest.raises(grpc.RpcError) as second:
+        _raw(server, "Push", _push(0, 0, [1], [100.0], "conflict"))
+    assert second.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert "worker 0 pushed twice with different content" in second.value.details()
+    pull = encode_frame(Kind.PULL, "conflict", 0, 2, 0, 0, shard_bounds(NUMEL, 2)[1])
+    with pytest.raises(grpc.RpcError) as first:
+        _raw(server, "Pull", pull)
+    assert first.value.code() == grpc.StatusCode.ABORTED
+    assert "worker 0 pushed twice" in first.value.details()
+    line = server.wait_for(r"WARNING rejected push from ipv4:127\.0\.0\.1:\d+: .*conflict")
+    assert "first from ipv4:127.0.0.1:" in line.string
+
+
+def test_retransmission_ignored_stale_and_future_rejected(cluster):
     server = cluster[0]
     assert _raw(server, "Push", _push(0, 0, [1], [1.0], "dup")) == b"accepted"
-    assert _raw(server, "Push", _push(0, 0, [1], [100.0], "dup")) == b"duplicate"
+    assert _raw(server, "Push", _push(0, 0, [1], [1.0], "dup")) == b"duplicate"
     with pytest.raises(grpc.RpcError) as future:
         _raw(server, "Push", _push(1, 1, [1], [1.0], "dup"))
     assert future.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -196,22 +212,8 @@ def test_metrics_endpoint(cluster):
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
         text = reply.read().decode()
     assert "# TYPE hvd_ps_requests_total counter" in text
-    assert 'hvd_ps_requests_total{shard="0/2",method="push",outcome="accepted"}' in text
+    assert 'hvd_ps_requests_total{method="push",outcome="accepted",shard="0/2"}' in text
 
-
-@pytest.fixture
-def start(tmp_path):
-    """Start servers that are killed at teardown, whatever happens."""
-    started = []
-
-    def run(*args, **kw) -> ServerProcess:
-        server = ServerProcess(["--bind", "127.0.0.1:0", *args], **kw)
-        started.append(server)
-        return server
-
-    yield run
-    for server in started:
-        server.kill()
 
 
 def test_topk_mode_returns_global_topk_with_residual(start):

@@ -66,8 +66,17 @@ def check_spec(spec: str, origin: str = "ps") -> str:
     return spec
 
 
-def connect(spec: str, worker: int) -> PSClient | MPIPSClient:
-    """The client for ``spec`` (see :data:`PS_ENV`), as worker ``worker``."""
+def connect(spec: str, worker: int, *, workers: int | None = None,
+            connect_timeout: float | None = None, retry_timeout: float | None = None
+            ) -> PSClient | MPIPSClient:
+    """The client for ``spec`` (see :data:`PS_ENV`), as worker ``worker`` of a job of
+    ``workers`` (told to gRPC servers, which refuse another ``--workers``; the
+    communicator sets it from its size when not given here).
+
+    ``connect_timeout`` and ``retry_timeout`` are :class:`PSClient`'s (defaults from
+    ``$HVD_COMPRESS_PS_CONNECT_TIMEOUT`` and ``$HVD_COMPRESS_PS_RETRY_TIMEOUT``); the MPI
+    transport has no connection to wait for and ignores them.
+    """
     if check_spec(spec) == "mpi":
         if _mpi_client is None:
             raise RuntimeError("ps='mpi' needs the MPI connection to the servers first: call "
@@ -82,7 +91,9 @@ def connect(spec: str, worker: int) -> PSClient | MPIPSClient:
                                "hvd_compress.tensorflow.init(ps='mpi')")
         return _mpi_client
     ca = os.environ.get(CA_ENV)
-    return PSClient(spec, worker, root_certificates=Path(ca).read_bytes() if ca else None)
+    return PSClient(spec, worker, root_certificates=Path(ca).read_bytes() if ca else None,
+                    workers=workers, connect_timeout=connect_timeout,
+                    retry_timeout=retry_timeout)
 
 
 @dataclass
@@ -110,6 +121,8 @@ class ParameterServerCommunicator:
             raise ValueError(f"parameter-server worker id {client.worker} differs from the "
                              f"rank {dense.rank}; each rank must push as its own worker")
         self.dense, self.client, self.session = dense, client, session
+        if isinstance(client, PSClient) and client.job_size is None:
+            client.job_size = dense.size  # the servers check it against their --workers
         self.rank, self.size = dense.rank, dense.size
         self._rounds: dict[str, int] = defaultdict(int)
 

@@ -8,9 +8,17 @@ then pulls each shard's aggregate for the same round and returns the pairs of th
 tensor. See :mod:`hvd_compress.sparse_wire` for the frames and :mod:`ps_server.store` for
 the round semantics.
 
-The gRPC client retries with exponential back-off while a server is unreachable (it may be
-restarting from its checkpoint): each retry pushes again (pushes are idempotent) and pulls.
-Any refusal raises :class:`PSError` naming the tensor, round, shard and server.
+The gRPC client retries what is safe to retry, with exponential back-off: a server that
+is unreachable (it may be restarting from its checkpoint), a call cut off or timed out,
+and a tensor the server does not know (it restarted without its state). Each retry
+pushes again (an identical push is a no-op) and pulls; a server that keeps its
+checkpoint answers no round before it is on disk, so after a restart every worker gets
+the same aggregates. A server never reached is given up after ``connect_timeout``
+seconds (nothing listens there), one that answered before after ``retry_timeout``. A
+TLS handshake failure is not retried. Every tensor's pulls start with its pushes and run
+on their own, so one tensor waiting or retrying does not hold back the others. Anything
+else raises :class:`PSError` naming the tensor, round, shard and server, and saying what
+it means.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import torch
 from hvd_compress.comm.ops import sorted_pairs, wire_dtype
 from hvd_compress.ps_protocol import (
     GRPC_SERVICE,
+    JOB_SIZE_METADATA,
     MPI_REPLY_TAG,
     MPI_REQUEST_TAG,
     TOKEN_ENV,
@@ -43,6 +52,45 @@ from hvd_compress.ps_protocol import (
 from hvd_compress.sparse_wire import Kind, ValueDType, decode_frame, encode_frame
 
 log = logging.getLogger("hvd_compress.ps_client")
+
+CONNECT_TIMEOUT_ENV = "HVD_COMPRESS_PS_CONNECT_TIMEOUT"
+RETRY_TIMEOUT_ENV = "HVD_COMPRESS_PS_RETRY_TIMEOUT"
+CONNECT_TIMEOUT = 10.0
+"""Default seconds to reach a server never reached before: long enough for a server
+started at the same time as the workers, short for an address where nothing listens."""
+RETRY_TIMEOUT = 60.0
+"""Default seconds to keep retrying a server that answered before (a restart)."""
+RETRYABLE = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "NOT_FOUND"})
+"""Codes after which pushing again and pulling again cannot change a sum: the server was
+unreachable or the call was cut off (``UNAVAILABLE``, ``CANCELLED``), the pull timed out
+while its round was open (``DEADLINE_EXCEEDED``), the server lost the tensor
+(``NOT_FOUND``, a restart without checkpoint; the push registers it again)."""
+
+_HINTS = {
+    "ABORTED": "the round failed on the server, so no worker applied it; every worker of "
+               "the job gets this error for this round",
+    "ALREADY_EXISTS": "another process pushed as this worker: give each rank its own "
+                      "worker id",
+    "FAILED_PRECONDITION": "the workers and the server disagree on the round or the job",
+    "UNAUTHENTICATED": "pass the server's token (token= or $HVD_COMPRESS_PS_TOKEN)",
+    "RESOURCE_EXHAUSTED": "the message exceeds the server's --max-message-mb or the "
+                          "client's max_message_bytes",
+}
+
+
+def timeout_setting(value: float | None, env: str, default: float, name: str) -> float:
+    """``value``, else ``$env``, else ``default``: a positive number of seconds."""
+    origin = name
+    if value is None and os.environ.get(env):
+        origin, text = f"${env}", os.environ[env]
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError(f"{origin}={text!r} is not a number of seconds") from None
+    value = default if value is None else value
+    if not isinstance(value, int | float) or not value > 0:
+        raise ValueError(f"{origin} must be a positive number of seconds, got {value!r}")
+    return float(value)
 
 
 class PSError(RuntimeError):
@@ -56,8 +104,10 @@ class PSError(RuntimeError):
                  detail: str) -> None:
         self.tensor, self.round, self.shard = tensor, round, shard
         self.address, self.code, self.detail = address, code, detail
+        hint = _HINTS.get(code)
         super().__init__(f"parameter server shard {shard} ({address}) failed tensor "
-                         f"{tensor!r} round {round}: {code}: {detail}")
+                         f"{tensor!r} round {round}: {code}: {detail}"
+                         + (f" ({hint})" if hint else ""))
 
 
 def shard_bounds(numel: int, shards: int) -> list[int]:
@@ -142,6 +192,7 @@ class PendingRound:
     pushes: list[bytes]
     pulls: list[bytes]
     pushed: list[Future[Any]] = field(default_factory=list)
+    pulled: list[Future[bytes]] = field(default_factory=list)
 
 
 class _ShardedClient(ABC):
@@ -238,22 +289,34 @@ class PSClient(_ShardedClient):
             default pushes in the values' own (fp16 for float16 values, fp32 otherwise) and
             aggregates in fp32.
         timeout: seconds one call may take (a pull waits for the slowest worker).
-        retry_timeout: how long to keep retrying an unreachable server.
+        connect_timeout: how long to retry a server this client never reached
+            (``$HVD_COMPRESS_PS_CONNECT_TIMEOUT``, else :data:`CONNECT_TIMEOUT`).
+        retry_timeout: how long to keep retrying a server that answered before
+            (``$HVD_COMPRESS_PS_RETRY_TIMEOUT``, else :data:`RETRY_TIMEOUT`).
+        workers: the job's number of workers, sent with every call: a server started
+            with another ``--workers`` refuses the first call at once, naming both.
     """
 
     def __init__(self, addresses: str | Sequence[str], worker: int, *,
                  token: str | None = None, root_certificates: bytes | None = None,
                  tls_server_name: str | None = None, value_dtype: str | None = None,
-                 timeout: float = 300.0, retry_timeout: float = 60.0,
+                 timeout: float = 300.0, retry_timeout: float | None = None,
+                 connect_timeout: float | None = None, workers: int | None = None,
                  max_message_bytes: int = 256 << 20) -> None:
         import grpc
 
         super().__init__(worker, value_dtype)
         self._grpc = grpc
         self.addresses, tls = parse_addresses(addresses)
-        self.timeout, self.retry_timeout = timeout, retry_timeout
+        self.timeout = timeout
+        self.retry_timeout = timeout_setting(retry_timeout, RETRY_TIMEOUT_ENV, RETRY_TIMEOUT,
+                                             "retry_timeout")
+        self.connect_timeout = timeout_setting(connect_timeout, CONNECT_TIMEOUT_ENV,
+                                               CONNECT_TIMEOUT, "connect_timeout")
         token = token if token is not None else os.environ.get(TOKEN_ENV)
-        self._metadata = ((TOKEN_METADATA, f"Bearer {token}"),) if token else ()
+        self._token = ((TOKEN_METADATA, f"Bearer {token}"),) if token else ()
+        self.job_size = workers
+        self._reached = [False] * len(self.addresses)
         options = [("grpc.max_receive_message_length", max_message_bytes),
                    ("grpc.max_send_message_length", max_message_bytes),
                    ("grpc.initial_reconnect_backoff_ms", 100),
@@ -271,47 +334,83 @@ class PSClient(_ShardedClient):
         self._push = [c.unary_unary(f"/{GRPC_SERVICE}/Push") for c in self._channels]
         self._pulls = [c.unary_unary(f"/{GRPC_SERVICE}/Pull") for c in self._channels]
         # Pushes never wait for other workers and pulls only for pushes already sent, so
-        # two bounded pools cannot deadlock whatever order workers start tensors in.
+        # two bounded pools cannot deadlock whatever order workers start tensors in. Each
+        # tensor's pulls start with its pushes (see the module docstring): up to
+        # PULLS_IN_FLIGHT rounds per shard wait or retry side by side.
         self._push_pool = ThreadPoolExecutor(max_workers=len(self.addresses),
                                              thread_name_prefix="ps-push")
-        self._pull_pool = ThreadPoolExecutor(max_workers=len(self.addresses),
-                                             thread_name_prefix="ps-pull")
+        self._pull_pool = ThreadPoolExecutor(
+            max_workers=self.PULLS_IN_FLIGHT * len(self.addresses),
+            thread_name_prefix="ps-pull")
+
+    PULLS_IN_FLIGHT = 16
+    """Rounds per shard whose pulls wait at once (threads of the pull pool, per shard)."""
+
+    @property
+    def job_size(self) -> int | None:
+        """The job's number of workers as told to the servers (None: not told)."""
+        return self._job_size
+
+    @job_size.setter
+    def job_size(self, workers: int | None) -> None:
+        if workers is not None and (not isinstance(workers, int) or workers < 1):
+            raise ValueError(f"workers must be a positive number, got {workers!r}")
+        self._job_size = workers
+        size = () if workers is None else ((JOB_SIZE_METADATA, str(workers)),)
+        self._metadata = self._token + size
 
     def _send_pushes(self, pending: PendingRound) -> None:
         pending.pushed = [self._push_pool.submit(self._push[s], frame, timeout=self.timeout,
                                                  metadata=self._metadata)
                           for s, frame in enumerate(pending.pushes)]
+        pending.pulled = [self._pull_pool.submit(self._shard_pull, pending, s)
+                          for s in range(len(pending.pulls))]
 
     def _pull(self, pending: PendingRound) -> list[bytes]:
-        jobs = [self._pull_pool.submit(self._shard_pull, pending, s)
-                for s in range(len(pending.pulls))]
-        return [job.result() for job in jobs]
+        return [job.result() for job in pending.pulled]
 
     def _shard_pull(self, pending: PendingRound, shard: int) -> bytes:
-        """Wait for the shard's push, then pull; while the server is unreachable (e.g.
-        restarting from its checkpoint, which may predate the push), push again and pull,
-        with exponential back-off."""
+        """Wait for the shard's push, then pull; after a failure that is safe to retry
+        (:data:`RETRYABLE`), push again and pull, with exponential back-off, until
+        ``connect_timeout`` (a server never reached) or ``retry_timeout`` has passed."""
         grpc, tensor, round = self._grpc, pending.tensor, pending.round
         start, delay, push = time.monotonic(), 0.05, pending.pushed[shard].result
         while True:
             try:
                 push()
-                return self._pulls[shard](pending.pulls[shard], timeout=self.timeout,
-                                          metadata=self._metadata)
+                reply = self._pulls[shard](pending.pulls[shard], timeout=self.timeout,
+                                           metadata=self._metadata)
+                self._reached[shard] = True
+                return reply
             except grpc.RpcError as err:
                 code, detail = err.code(), err.details() or ""
+                if code is not grpc.StatusCode.UNAVAILABLE:
+                    self._reached[shard] = True  # the server answered
                 waited = time.monotonic() - start
-                if code is grpc.StatusCode.UNAVAILABLE and waited + delay < self.retry_timeout:
-                    log.warning("parameter server shard %d (%s) unavailable (%s); retrying "
-                                "tensor %r round %d in %.2f s", shard, self.addresses[shard],
+                limit = self.retry_timeout if self._reached[shard] else self.connect_timeout
+                tls = _tls_failure(detail)
+                if code.name in RETRYABLE and not tls and waited + delay < limit:
+                    log.warning("parameter server shard %d (%s): %s (%s); retrying tensor %r "
+                                "round %d in %.2f s", shard, self.addresses[shard], code.name,
                                 detail, tensor, round, delay)
                     time.sleep(delay * (1 + 0.2 * random.random()))
                     delay = min(2 * delay, 2.0)
                     push = partial(self._push[shard], pending.pushes[shard],
                                    timeout=self.timeout, metadata=self._metadata)
                     continue
-                if code is grpc.StatusCode.UNAVAILABLE:
-                    detail = f"unreachable for {waited:.1f} s: {detail}"
+                if tls:
+                    detail = (f"TLS handshake failed: {detail} (check the certificate "
+                              "(root_certificates, $HVD_COMPRESS_PS_CA) and the name it is "
+                              "issued to (tls_server_name))")
+                elif code is grpc.StatusCode.UNAVAILABLE and self._reached[shard]:
+                    detail = (f"unreachable for {waited:.1f} s (retry_timeout "
+                              f"{self.retry_timeout:g} s): {detail}")
+                elif code is grpc.StatusCode.UNAVAILABLE:
+                    detail = (f"nothing answered at this address for {waited:.1f} s "
+                              f"(connect_timeout {self.connect_timeout:g} s; is the server "
+                              f"running there?): {detail}")
+                elif code.name in RETRYABLE:
+                    detail = f"still failing after {waited:.1f} s of retries: {detail}"
                 raise self._error(tensor, round, shard, code.name, detail) from None
 
     def health(self, timeout: float = 5.0) -> list[str]:
@@ -337,6 +436,13 @@ class PSClient(_ShardedClient):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _tls_failure(detail: str) -> bool:
+    """Whether a gRPC error's details describe a failed TLS handshake (not worth a retry:
+    the certificate or the server name is wrong)."""
+    text = detail.lower()
+    return any(word in text for word in ("handshake", "ssl", "certificate"))
 
 
 class MPIPSClient(_ShardedClient):

@@ -1,0 +1,201 @@
+"""The parameter server under faults: SIGKILL at every step of the close and checkpoint
+sequence, more workers than handler threads, a wrong --workers, nothing listening, and
+unauthenticated requests (refused before their body is read)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from hvd_compress.comm.ps_client import PSClient, PSError
+from hvd_compress.ps_protocol import GRPC_PUSH
+from hvd_compress.sparse_wire import Kind, decode_frame, encode_frame
+from ps_server.checkpoint import FAULT_ENV, FAULT_STEPS
+from ps_server.service import ShardService
+from ps_server.store import ShardStore
+from tests.servers import ServerProcess, start_servers  # noqa: F401 (fixture `start`)
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+
+NUMEL, ROUNDS, TENSORS = 3000, 12, ("a", "b")
+# Which occurrence of each step the server dies at: past the first snapshot (at start-up)
+# and a few rounds in, so rounds before and after the kill are checked.
+OCCURRENCE = {"closed": 5, "journal-write": 5, "journal-written": 5, "snapshot-write": 3,
+              "snapshot-renamed": 3, "answered": 9}
+
+
+def pushes(tensor: str, round: int, worker: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng([round, worker, ord(tensor)])
+    idx = np.sort(rng.choice(NUMEL, 200, replace=False))
+    return idx, rng.standard_normal(200).astype(np.float32)
+
+
+def reference(mode: str) -> dict[tuple[str, int], tuple[np.ndarray, np.ndarray]]:
+    """Every round's aggregate from a server that never crashed (in-process)."""
+    service = ShardService(ShardStore(2, 0, 1, mode))
+    out = {}
+    for r in range(ROUNDS):
+        for t in TENSORS:
+            for w in range(2):
+                idx, val = pushes(t, r, w)
+                service.push(encode_frame(Kind.PUSH, t, 0, 1, r, w, NUMEL, idx, val), "ref")
+            frame = decode_frame(service.pull(encode_frame(Kind.PULL, t, 0, 1, r, 0, NUMEL),
+                                              "ref", 1.0))
+            out[t, r] = (frame.indices, frame.values)
+    return out
+
+
+def train(address: str, worker: int) -> dict[tuple[str, int], tuple[np.ndarray, np.ndarray]]:
+    """Both tensors started, then finished, every round (as the optimizer does)."""
+    client = PSClient(address, worker, timeout=60, retry_timeout=90, connect_timeout=90,
+                      workers=2)
+    got = {}
+    try:
+        for r in range(ROUNDS):
+            pending = [client.start(t, r, NUMEL, *map(torch.from_numpy, pushes(t, r, worker)))
+                       for t in TENSORS]
+            for t, p in zip(TENSORS, pending):
+                idx, val = client.finish(p)
+                got[t, r] = (idx.numpy(), val.numpy())
+    finally:
+        client.close()
+    return got
+
+
+@pytest.mark.parametrize("mode", ["union", "topk"])
+@pytest.mark.parametrize("step", FAULT_STEPS)
+def test_a_kill_at_any_step_of_the_close_leaves_workers_in_agreement(tmp_path, step, mode):
+    """The server kills itself (SIGKILL) at ``step``, is restarted on the same port from
+    its checkpoint, and both workers end with the aggregates of a server that never
+    crashed, round for round (so their replicas cannot differ)."""
+    args = ["--workers", "2", "--mode", mode, "--deadline", "60", "--checkpoint-dir",
+            str(tmp_path / "ckpt"), "--checkpoint-every", "3"]
+    server = ServerProcess(["--bind", "127.0.0.1:0", *args],
+                           env={FAULT_ENV: f"{step}:{OCCURRENCE[step]}"})
+    servers = [server]
+    stop = threading.Event()
+
+    def restart_when_dead() -> None:
+        while not stop.is_set():
+            if servers[-1].proc.poll() is not None:
+                servers.append(ServerProcess(["--bind", server.address, *args]))
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=restart_when_dead, daemon=True)
+    watcher.start()
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            jobs = [pool.submit(train, server.address, w) for w in range(2)]
+            results = [job.result(timeout=240) for job in jobs]
+    finally:
+        stop.set()
+        watcher.join()
+        for s in servers:
+            s.kill()
+    assert servers[0].proc.returncode == -9, "the fault never fired"
+    assert len(servers) == 2, [s.log() for s in servers]
+    servers[1].wait_for("resumed from")
+    expected = reference(mode)
+    for key, (idx, val) in expected.items():
+        for worker in range(2):
+            np.testing.assert_array_equal(results[worker][key][0], idx, err_msg=str(key))
+            np.testing.assert_array_equal(results[worker][key][1], val, err_msg=str(key))
+
+
+
+def test_more_workers_than_handler_threads(start):
+    """130 workers (over twice the default 64 threads) against a server with 4: waiting
+    pulls hold no thread, so every push gets in and every round is exact."""
+    workers, threads = 130, 4
+    server = start("--workers", str(workers), "--threads", str(threads), "--deadline", "60")
+    clients = [PSClient(server.address, w, timeout=60, workers=workers)
+               for w in range(workers)]
+    try:
+        with ThreadPoolExecutor(workers) as pool:
+            for r in range(3):
+                jobs = [pool.submit(c.push_pull, "many", r, NUMEL,
+                                    torch.tensor([w, NUMEL - 1]),
+                                    torch.tensor([1.0, float(r)]))
+                        for w, c in enumerate(clients)]
+                for job in jobs:
+                    idx, val = job.result(timeout=120)
+                    assert idx.tolist() == [*range(workers), NUMEL - 1]
+                    assert val.tolist() == [1.0] * workers + [float(r * workers)]
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_a_wrong_worker_count_fails_at_once_on_both_sides(start):
+    server = start("--workers", "3", "--deadline", "120")
+    client = PSClient(server.address, 0, workers=2, timeout=60)
+    began = time.monotonic()
+    with pytest.raises(PSError) as err:
+        client.push_pull("w", 0, 10, torch.tensor([1]), torch.tensor([1.0]))
+    assert time.monotonic() - began < 5
+    assert err.value.code == "FAILED_PRECONDITION"
+    assert "the job has 2 workers but this server was started with --workers 3" in \
+        str(err.value)
+    line = server.wait_for(r"ERROR refused ipv4:127\.0\.0\.1:\d+: the job has 2 workers")
+    assert "--workers 3" in line.string
+    client.close()
+
+
+def test_nothing_listening_fails_after_the_connect_timeout():
+    client = PSClient("127.0.0.1:1", 0, connect_timeout=1.0, retry_timeout=600)
+    began = time.monotonic()
+    with pytest.raises(PSError, match=r"UNAVAILABLE: nothing answered at this address for "
+                       r"[\d.]+ s \(connect_timeout 1 s"):
+        client.push_pull("w", 0, 10, torch.tensor([1]), torch.tensor([1.0]))
+    assert time.monotonic() - began < 4
+    client.close()
+
+
+def test_connect_timeout_from_the_environment(monkeypatch):
+    monkeypatch.setenv("HVD_COMPRESS_PS_CONNECT_TIMEOUT", "2.5")
+    assert PSClient("127.0.0.1:1", 0).connect_timeout == 2.5
+    monkeypatch.setenv("HVD_COMPRESS_PS_CONNECT_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match=r"\$HVD_COMPRESS_PS_CONNECT_TIMEOUT='soon' is not"):
+        PSClient("127.0.0.1:1", 0)
+
+
+def _peak_rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        line = next(x for x in status if x.startswith("VmHWM:"))
+    return int(line.split()[1]) / 1024
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs /proc")
+def test_unauthenticated_messages_are_refused_unread(start, tmp_path):
+    """Eight 100 MB pushes without a token, at once: refused, and the server's peak RSS
+    grows by far less than one of them (the body is never read)."""
+    token = tmp_path / "token"
+    token.write_text("s3cret")
+    server = start("--workers", "1", "--token-file", str(token), "--max-message-mb", "256")
+    before = _peak_rss_mb(server.proc.pid)
+    big = bytes(100 << 20)
+
+    def send() -> grpc.StatusCode:
+        with grpc.insecure_channel(server.address, options=[
+                ("grpc.max_send_message_length", 256 << 20)]) as channel:
+            try:
+                channel.unary_unary(GRPC_PUSH)(big, timeout=60)
+            except grpc.RpcError as err:
+                return err.code()
+        return grpc.StatusCode.OK
+
+    with ThreadPoolExecutor(8) as pool:
+        codes = list(pool.map(lambda _: send(), range(8)))
+    assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 8
+    grown = _peak_rss_mb(server.proc.pid) - before
+    print(f"server peak RSS grew {grown:.1f} MB for 8 x 100 MB unauthenticated pushes")
+    assert grown < 50, grown
+    server.wait_for(r"WARNING refused a call from ipv4:127\.0\.0\.1:\d+: missing or wrong "
+                    "token")
