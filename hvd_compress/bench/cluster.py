@@ -85,6 +85,7 @@ class Plan:
     horovod: Sequence[str] = HOROVOD_SCHEMES
     horovod_controllers: Sequence[str] = ("gloo", "mpi")
     controller: str = "gloo"
+    cycle_time_ms: float | None = None
     bucket_mb: float | None = None
     accuracy_rate: str | None = "100mbit"
     epochs: int = 12
@@ -213,6 +214,7 @@ def _launch(system: System, plan: Plan, addresses: list[str], directory: Path, p
     timeout = plan.timeout
     argv = _rank_argv(system, plan, directory, time.time() + timeout - 5, digits)
     n = len(addresses)
+    horovod_env = horovod_settings(plan)
     if system.runs == "ddp":
         commands = [host_command(i, argv, directory, addresses[i], {
             "MASTER_ADDR": addresses[0], "MASTER_PORT": str(port), "RANK": str(i),
@@ -233,18 +235,29 @@ def _launch(system: System, plan: Plan, addresses: list[str], directory: Path, p
             common = create_run_env_vars(launcher_address(addresses), {"eth0"},
                                          rendezvous_port)
             commands = [host_command(i, argv, directory, addresses[i],
-                                     {**common, **create_slot_env_vars(slot)})
+                                     {**common, **create_slot_env_vars(slot), **horovod_env})
                         for i, slot in enumerate(slots)]
             _run_direct(commands, timeout, directory)
         finally:
             rendezvous.stop()
     else:
-        code = run_mpirun([*mpirun_host_args(addresses, directory), *RING_ALLREDUCE, *argv],
+        exported = [arg for key, value in horovod_env.items()
+                    for arg in ("-x", f"{key}={value}")]
+        code = run_mpirun([*mpirun_host_args(addresses, directory), *RING_ALLREDUCE,
+                           *exported, *argv],
                           int(timeout), directory / "mpirun.log")
         if code != 0:
             raise LaunchError(f"mpirun exited with {code}:\n"
                               f"{(directory / 'mpirun.log').read_text()[-8000:]}"
                               f"{_stacks(directory)}")
+
+
+def horovod_settings(plan: Plan) -> dict[str, str]:
+    """Horovod's environment for every Horovod-based system of the plan (stock and ours
+    alike): ``HOROVOD_CYCLE_TIME`` when the plan sets it."""
+    if plan.cycle_time_ms is None:
+        return {}
+    return {"HOROVOD_CYCLE_TIME": f"{plan.cycle_time_ms:g}"}
 
 
 def _server(address: str, workers: int, host: int) -> Any:
@@ -285,6 +298,8 @@ def measure_link(plan: Plan, rate: str, digits: bool = False) -> list[Row]:
                                model="digits-mlp" if digits else plan.model,
                                parameters=parameter_count(widths),
                                controller=system.controller)
+                    if system.runs != "ddp":
+                        row["settings"].update(horovod_settings(plan))
                     if row.get("settings", {}).get("ps", "allgather") != "allgather":
                         row["scheme"] += SERVER_SUFFIX
                 rows += got
