@@ -28,11 +28,15 @@ For each tensor and each candidate route, the predicted exchange time is::
   takes ``probe_seconds`` (so a slow link is probed with little data, a fast one with
   up to 16 MiB).
 
-Each tensor takes its cheapest route; the plan's predicted step exchange is the sum of its
-tensors' costs plus ``latency`` per round of the longest route (rounds of a bucket travel
-fused, one collective per round). If sending everything dense is predicted to be faster than
-that, every tensor goes dense. A route the :class:`~hvd_compress.policy.Policy` excludes for
-a tensor (a bias, a tiny tensor, a shape the scheme cannot encode) is never chosen for it.
+A plan's predicted step exchange is the sum of its tensors' costs plus ``latency`` per
+collective it starts: the pipeline fuses a bucket's requests of one round and kind into one
+collective, so that is one per distinct (round, kind) over the plan's routes (PowerSGD's
+``P`` and a dense tensor's all-reduce share one; fp16's all-to-all on a CPU is another), and
+one per tensor and round for requests that never fuse (sparse sums). Per-tensor choices
+cannot see that shared cost, so the plans compared are: every tensor on its cheapest route;
+the same without the fp16 route; without the scheme; and everything dense. The fastest
+predicted wins. A route the :class:`~hvd_compress.policy.Policy` excludes for a tensor (a
+bias, a tiny tensor, a shape the scheme cannot encode) is never chosen for it.
 
 Agreement and re-decision
 -------------------------
@@ -93,11 +97,16 @@ class LinkModel:
 
 @dataclass(frozen=True)
 class RouteCost:
-    """One route's measured costs for one tensor."""
+    """One route's measured costs for one tensor: its compute seconds, the bytes it puts
+    on this rank's link, and the kind of each round's request (:func:`kind`)."""
 
     compute: float
     send_bytes: float
-    rounds: int
+    kinds: tuple[str, ...]
+
+    @property
+    def rounds(self) -> int:
+        return len(self.kinds)
 
     def seconds(self, link: LinkModel) -> float:
         return self.compute + self.send_bytes * link.seconds_per_byte
@@ -232,13 +241,11 @@ class Auto(Scheme):
                     continue
                 measured[name][route] = measure_route(scheme, shape, rank, size, device)
         costs = _agree_costs(measured, names, run, size, device)
-        routes = {name: _cheapest(costs[name], link, current.routes.get(name)
-                                  if current is not None else None) for name in names}
-        predicted = predict(costs, routes, link)
-        dense = {name: DENSE for name in names}
-        dense_predicted = predict(costs, dense, link)
-        if dense_predicted <= predicted:
-            routes, predicted = dense, dense_predicted
+        plans = [{name: _cheapest(costs[name], link, without,
+                                  current.routes.get(name) if current is not None else None)
+                  for name in names} for without in ((), (HALF,), (SCHEME,), (HALF, SCHEME))]
+        dense_predicted = predict(costs, plans[-1], link)
+        routes = min(plans, key=lambda plan: predict(costs, plan, link))
         routes = _from_rank0(routes, names, run, rank, device)
         decision = Decision(link, costs, routes, predict(costs, routes, link), dense_predicted,
                             dict(shapes))
@@ -261,8 +268,8 @@ class Auto(Scheme):
         if transfer < 0.2 * predicted or sent <= 0:
             return None  # the transfer is too small a part to refit the link from
         compute = sum(current.costs[n][r].compute for n, r in current.routes.items())
-        rounds = max((current.costs[n][r].rounds for n, r in current.routes.items()), default=1)
-        unexplained = measured - compute - current.link.latency * rounds
+        unexplained = measured - compute - current.link.latency * collectives(
+            current.costs, current.routes)
         per_byte = max(unexplained, 0.1 * transfer) / sent
         link = LinkModel(current.link.latency, per_byte)
         if rank == 0:
@@ -283,22 +290,38 @@ HYSTERESIS = 0.2
 """A route changes only for one predicted at least this much (a fraction) cheaper."""
 
 
-def _cheapest(costs: Mapping[str, RouteCost], link: LinkModel, current: str | None) -> str:
-    best = min(costs, key=lambda r: costs[r].seconds(link))
-    if current in costs and costs[best].seconds(link) > \
-            (1 - HYSTERESIS) * costs[current].seconds(link):
+def _cheapest(costs: Mapping[str, RouteCost], link: LinkModel, without: Sequence[str],
+              current: str | None) -> str:
+    """The cheapest route not in ``without`` (dense is always allowed); ``current`` is kept
+    unless another is :data:`HYSTERESIS` cheaper."""
+    allowed = {r: c for r, c in costs.items() if r == DENSE or r not in without}
+    best = min(allowed, key=lambda r: allowed[r].seconds(link))
+    if current in allowed and allowed[best].seconds(link) > \
+            (1 - HYSTERESIS) * allowed[current].seconds(link):
         return current
     return best
+
+
+def collectives(costs: Mapping[str, Mapping[str, RouteCost]], routes: Mapping[str, str]) -> int:
+    """Collectives a step of these routes starts: one per distinct (round, kind) of fusable
+    requests, one per tensor and round of the others."""
+    fused: set[tuple[int, str]] = set()
+    alone = 0
+    for name, route in routes.items():
+        for i, what in enumerate(costs[name][route].kinds):
+            if what == "sparse":
+                alone += 1
+            else:
+                fused.add((i, what))
+    return len(fused) + alone
 
 
 def predict(costs: Mapping[str, Mapping[str, RouteCost]], routes: Mapping[str, str],
             link: LinkModel) -> float:
     """Predicted exchange seconds per step: every tensor's route cost, plus one latency per
-    round of the longest route (a bucket's rounds travel fused)."""
-    if not routes:
-        return 0.0
-    rounds = max(costs[n][r].rounds for n, r in routes.items())
-    return sum(costs[n][r].seconds(link) for n, r in routes.items()) + link.latency * rounds
+    collective the step starts (:func:`collectives`)."""
+    return sum(costs[n][r].seconds(link) for n, r in routes.items()) + \
+        link.latency * collectives(costs, routes)
 
 
 # Measuring ------------------------------------------------------------------------------
@@ -310,6 +333,18 @@ def send_bytes(op: Collective, size: int) -> float:
     if isinstance(op, AllToAll):
         return (size - 1) / size * b
     return (size - 1) * b  # AllGather, SparseSum
+
+
+def kind(op: Collective) -> str:
+    """``allreduce``, ``alltoall``, ``allgather`` (requests of one kind and round fuse), or
+    ``sparse`` (a sparse sum, or an all-gather without sizes: never fused)."""
+    if isinstance(op, AllReduce):
+        return "allreduce"
+    if isinstance(op, AllToAll):
+        return "alltoall"
+    if isinstance(op, AllGather) and op.sizes is not None:
+        return "allgather"
+    return "sparse"
 
 
 def echo(op: Collective, rank: int, size: int) -> Any:
@@ -339,12 +374,12 @@ def measure_route(scheme: Scheme, shape: torch.Size, rank: int, size: int,
     gen.manual_seed(1234 + rank)
     x = torch.randn(shape, generator=gen, device=device)
     best = float("inf")
-    sent, rounds = 0.0, 0
+    sent, kinds = 0.0, []
     state: Mapping[str, torch.Tensor] = {}
     for _ in range(repeats):
         ctx = ExchangeContext("hvdc.auto.measure", rank, size, step=1 << 30)
         exchange = scheme.exchange(x, state, ctx)
-        sent, rounds, spent = 0.0, 0, 0.0
+        sent, kinds, spent = 0.0, [], 0.0
         result: Any = None
         while True:
             started = time.perf_counter()
@@ -356,10 +391,10 @@ def measure_route(scheme: Scheme, shape: torch.Size, rank: int, size: int,
                 break
             spent += time.perf_counter() - started
             sent += send_bytes(op, size)
-            rounds += 1
+            kinds.append(kind(op))
             result = echo(op, rank, size)
         best = min(best, spent)
-    return RouteCost(best, sent, rounds)
+    return RouteCost(best, sent, tuple(kinds))
 
 
 def probe_link(run: Run, size: int, device: torch.device, probe_seconds: float) -> LinkModel:
@@ -400,7 +435,7 @@ def _agree_costs(measured: Mapping[str, Mapping[str, RouteCost]], names: Sequenc
     costs: dict[str, dict[str, RouteCost]] = {n: {} for n in names}
     for (name, route), compute in zip(keys, agreed, strict=False):
         cost = measured[name][route]
-        costs[name][route] = RouteCost(compute / size, cost.send_bytes, cost.rounds)
+        costs[name][route] = RouteCost(compute / size, cost.send_bytes, cost.kinds)
     return costs
 
 
