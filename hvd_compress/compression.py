@@ -17,6 +17,7 @@ from hvd_compress.schemes.qsgd import QSGD
 from hvd_compress.schemes.randomk import RandomK
 from hvd_compress.schemes.terngrad import TernGrad
 from hvd_compress.schemes.topk import TopK
+from hvd_compress.schemes.vote import MajorityVote
 
 
 class Compression:
@@ -35,6 +36,7 @@ class Compression:
         Compression.randomk(ratio=0.01)
         Compression.dgc(ratio=0.001, momentum=0.9, clip_norm=None, warmup_steps=0,
                         sample_ratio=0.01, values='fp32')
+        Compression.vote(momentum=0.0)   # signSGD / Signum with majority vote
 
     Top-k and DGC pairs are summed by the parameter server given as the optimizer's
     ``ps=`` (or by Horovod ``allgather`` without one); ``values='fp16'`` halves the
@@ -55,6 +57,7 @@ class Compression:
     topk = TopK
     randomk = RandomK
     dgc = DGC
+    vote = MajorityVote
     auto = Auto
 
     @classmethod
@@ -149,4 +152,4 @@ def _option_value(scheme: str, key: str, text: str, expected: Any, spec: str) ->
 
 
 SCHEME_NAMES = ("none", "fp16", "bf16", "onebit", "qsgd", "terngrad", "powersgd", "topk",
-                "randomk", "dgc", "auto")
+                "randomk", "dgc", "vote", "auto")

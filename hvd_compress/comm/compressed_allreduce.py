@@ -5,11 +5,14 @@ the pipeline drives (rounds ``scatter`` and ``gather``):
 
 1. Split the flat tensor into one chunk per rank at bucket boundaries; encode each chunk;
    ``alltoall`` sends chunk ``r`` to rank ``r``.
-2. Rank ``r`` decodes the ``size`` payloads of its chunk and sums them (exactly the sum of
-   what every rank sent), adds its rank-side residual when the scheme uses error feedback,
-   re-encodes the sum and keeps ``sum - decode(encoded)`` as the new rank-side residual.
+2. Rank ``r`` reduces the ``size`` payloads of its chunk with the scheme's
+   :meth:`~hvd_compress.schemes.base.PackedScheme.reduce` (by default it decodes and sums
+   them: exactly the sum of what every rank sent; majority vote takes the sign of the sum
+   of signs), adds its rank-side residual when the scheme uses error feedback, re-encodes
+   the result and keeps ``result - decode(encoded)`` as the new rank-side residual.
 3. ``allgather`` of the re-encoded chunks; every rank decodes all of them, so every rank
-   ends with the same aggregate.
+   ends with the same aggregate (passed through the scheme's
+   :meth:`~hvd_compress.schemes.base.PackedScheme.expand`, by default unchanged).
 
 Per rank, traffic is ``2 (size-1)/size`` times the payload, as for a ring all-reduce of the
 payload: the wire saving equals the codec's compression rate. Nothing is decoded to float32
@@ -56,9 +59,7 @@ def compressed_allreduce(codec: PackedScheme, x: torch.Tensor,
 
     received = yield AllToAll("scatter", buffers.cat(payloads), payload_sizes)
     mine = sizes[ctx.rank]
-    chunk_sum = codec.decode(received[0], mine) if mine else flat.new_zeros(0)
-    for payload in received[1:]:
-        chunk_sum += codec.decode(payload, mine)
+    chunk_sum = codec.reduce(received, mine)
 
     new_state: dict[str, torch.Tensor] = {}
     if codec.error_feedback:
@@ -72,5 +73,6 @@ def compressed_allreduce(codec: PackedScheme, x: torch.Tensor,
     gather_sizes = tuple(codec.chunk_bytes(n) for n in sizes)
     gathered = yield AllGather("gather", reencoded, gather_sizes)
     aggregate = buffers.cat([codec.decode(p, n) for p, n in zip(gathered, sizes)])
+    aggregate = codec.expand(aggregate, ctx.size)
     return Outcome(aggregate.view_as(x), sent, sum(payload_sizes), new_state)
 

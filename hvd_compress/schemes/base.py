@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Generator, Mapping
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -283,6 +283,26 @@ class PackedScheme(Scheme):
 
     def payload_bytes(self, shape: torch.Size) -> int:
         return self.chunk_bytes(shape.numel())
+
+    def reduce(self, payloads: Sequence[torch.Tensor], numel: int) -> torch.Tensor:
+        """The reducing rank's step of the compressed all-reduce: its ``numel``-element
+        chunk of the aggregate from the payloads every rank sent it (in rank order), before
+        it is re-encoded. Default: the sum of their decodings (what every summable scheme
+        needs). A scheme with another reduction overrides it (majority vote: the sign of
+        the sum of signs)."""
+        if not numel:
+            return torch.zeros(0, dtype=torch.float32, device=payloads[0].device)
+        total = self.decode(payloads[0], numel)
+        for payload in payloads[1:]:
+            total += self.decode(payload, numel)
+        return total
+
+    def expand(self, aggregate: torch.Tensor, size: int) -> torch.Tensor:
+        """The aggregate as the pipeline takes it, a sum over ``size`` ranks, from the
+        decoded re-encoded chunks. Default: as decoded. Majority vote multiplies its vote by
+        ``size``, so the averaged gradient is the vote itself."""
+        del size
+        return aggregate
 
     def exchange(self, x: torch.Tensor, state: Mapping[str, torch.Tensor],
                  ctx: ExchangeContext) -> Exchange:
