@@ -241,22 +241,32 @@ HEAVY_MOMENTUM = 0.9
 """The optimizer momentum from which :func:`warn_heavy_momentum` warns."""
 
 
+def optimizer_momentum(optimizer: Any, at_least: float = 0.0) -> tuple[int, float] | None:
+    """The first parameter group of ``optimizer`` whose ``momentum`` (SGD, RMSprop) is
+    non-zero and at least ``at_least``, as (index, momentum); ``None`` if there is none."""
+    for index, group in enumerate(getattr(optimizer, "param_groups", [])):
+        momentum = group.get("momentum", 0) or 0
+        if momentum and momentum >= at_least:
+            return index, momentum
+    return None
+
+
 def warn_heavy_momentum(scheme: Scheme, optimizer: Any, measured: str) -> None:
     """Warn (``UserWarning``) when a parameter group of ``optimizer`` has ``momentum`` of at
     least :data:`HEAVY_MOMENTUM`: error feedback hands every element's delayed residual to
     the optimizer in bursts, and heavy momentum multiplies each burst by up to
     ``1 / (1 - momentum)``. Whether that diverges depends on the learning rate, so it is a
     warning (with ``measured``, the scheme's figures) rather than an error."""
-    for index, group in enumerate(getattr(optimizer, "param_groups", [])):
-        momentum = group.get("momentum", 0) or 0
-        if momentum >= HEAVY_MOMENTUM:
-            warnings.warn(
-                f"{scheme!r} sends its error-feedback residuals in delayed bursts, and the "
-                f"wrapped optimizer {type(optimizer).__name__} has momentum={momentum} in "
-                f"parameter group {index}, which amplifies them: {measured} Lower the "
-                f"momentum (0.8 or less) or the learning rate, and watch "
-                f"ErrorFeedback.report() for a growing residual.", UserWarning, stacklevel=3)
-            return
+    found = optimizer_momentum(optimizer, HEAVY_MOMENTUM)
+    if found is not None:
+        index, momentum = found
+        warnings.warn(
+            f"{scheme!r} sends its error-feedback residuals in delayed bursts, and the "
+            f"wrapped optimizer {type(optimizer).__name__} has momentum={momentum} in "
+            f"parameter group {index}, which amplifies them: {measured} Lower the "
+            f"momentum (0.8 or less) or the learning rate, and watch "
+            f"optimizer.compression_feedback (ErrorFeedback.report()) for a growing "
+            f"residual.", UserWarning, stacklevel=3)
 
 
 class PackedScheme(Scheme):

@@ -9,7 +9,13 @@ from typing import Any
 import torch
 
 from hvd_compress.comm.ops import SparseSum, nbytes
-from hvd_compress.schemes.base import Exchange, ExchangeContext, Outcome, Scheme
+from hvd_compress.schemes.base import (
+    Exchange,
+    ExchangeContext,
+    Outcome,
+    Scheme,
+    optimizer_momentum,
+)
 from hvd_compress.schemes.topk import check_ratio, sparse_count, sparse_nbytes, value_dtype
 
 MOMENTUM = "momentum"
@@ -122,17 +128,17 @@ class DGC(Scheme):
     def check_optimizer(self, optimizer: Any) -> None:
         """``ValueError`` if any parameter group of ``optimizer`` has a non-zero
         ``momentum`` (SGD, RMSprop): DGC's momentum correction already applies momentum."""
-        for index, group in enumerate(getattr(optimizer, "param_groups", [])):
-            momentum = group.get("momentum", 0) or 0
-            if momentum:
-                raise ValueError(
-                    f"Compression.dgc applies momentum itself (momentum correction, "
-                    f"momentum={self.momentum}), but the wrapped optimizer "
-                    f"{type(optimizer).__name__} has momentum={momentum} in parameter group "
-                    f"{index}: both would compound and training diverges. Construct the "
-                    f"optimizer with momentum=0 and give the momentum to DGC, e.g. "
-                    f"torch.optim.{type(optimizer).__name__}(params, lr=..., momentum=0) "
-                    f"with Compression.dgc(momentum={momentum})")
+        found = optimizer_momentum(optimizer)
+        if found is not None:
+            index, momentum = found
+            raise ValueError(
+                f"Compression.dgc applies momentum itself (momentum correction, "
+                f"momentum={self.momentum}), but the wrapped optimizer "
+                f"{type(optimizer).__name__} has momentum={momentum} in parameter group "
+                f"{index}: both would compound and training diverges. Construct the "
+                f"optimizer with momentum=0 and give the momentum to DGC, e.g. "
+                f"torch.optim.{type(optimizer).__name__}(params, lr=..., momentum=0) "
+                f"with Compression.dgc(momentum={momentum})")
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "ratio": self.ratio, "momentum": self.momentum,

@@ -8,7 +8,12 @@ from typing import Any
 import torch
 
 from hvd_compress import wire
-from hvd_compress.schemes.base import Exchange, ExchangeContext, PackedScheme
+from hvd_compress.schemes.base import (
+    Exchange,
+    ExchangeContext,
+    PackedScheme,
+    optimizer_momentum,
+)
 
 MOMENTUM = "momentum"
 
@@ -106,14 +111,13 @@ class MajorityVote(PackedScheme):
         momentum of its own: both would compound."""
         if not self.momentum:
             return
-        for index, group in enumerate(getattr(optimizer, "param_groups", [])):
-            theirs = group.get("momentum", 0) or 0
-            if theirs:
-                raise ValueError(
-                    f"Compression.vote(momentum={self.momentum}) (Signum) applies momentum "
-                    f"before the vote, but the wrapped optimizer {type(optimizer).__name__} "
-                    f"has momentum={theirs} in parameter group {index}: construct it with "
-                    f"momentum=0")
+        found = optimizer_momentum(optimizer)
+        if found is not None:
+            raise ValueError(
+                f"Compression.vote(momentum={self.momentum}) (Signum) applies momentum "
+                f"before the vote, but the wrapped optimizer {type(optimizer).__name__} "
+                f"has momentum={found[1]} in parameter group {found[0]}: construct it with "
+                f"momentum=0")
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "momentum": self.momentum}
