@@ -141,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     clus.add_argument("--cycle-time-ms", type=float,
                       help="HOROVOD_CYCLE_TIME for every Horovod-based system, stock and "
                       "hvd-compress alike (default: Horovod's own, 1 ms)")
+    clus.add_argument("--shared-processes", action="store_true",
+                      help="run each system's configurations one after the other in the same "
+                      "processes (default: fresh processes for every configuration)")
     clus.add_argument("--horovod-controllers", nargs="+", choices=["gloo", "mpi"],
                       help="stock Horovod's controllers, one row each (default: gloo mpi)")
     clus.add_argument("--max-epochs", type=_positive_int,
@@ -177,7 +180,8 @@ def _cluster(args: argparse.Namespace) -> None:
              "ddp": args.ddp, "horovod": args.horovod, "bucket_mb": args.bucket_mb,
              "accuracy_rate": args.accuracy_rate, "epochs": args.epochs, "hidden": args.hidden,
              "horovod_controllers": args.horovod_controllers, "max_epochs": args.max_epochs,
-             "cycle_time_ms": args.cycle_time_ms}
+             "cycle_time_ms": args.cycle_time_ms,
+             "separate": False if args.shared_processes else None}
     plan = dataclasses.replace(
         plan, latency_ms=args.latency_ms, controller=args.controller, timeout=args.timeout,
         progress=lambda text: print(text, file=sys.stderr, flush=True),

@@ -2,8 +2,9 @@
 
 For each link rate, :func:`hvd_compress.bench.hosts.emulated_hosts` makes one host per
 worker (plus one for the parameter server when a configuration uses it), and every system
-trains the same MLP on those hosts, one launch per system, one configuration after the
-other (:mod:`hvd_compress.bench.cluster_rank`):
+trains the same MLP on those hosts, one launch (fresh processes) per configuration, or with
+``separate=False`` one per system running its configurations one after the other
+(:mod:`hvd_compress.bench.cluster_rank`):
 
 - PyTorch DDP on Gloo: no hook, ``fp16_compress_hook``, ``powerSGD_hook`` at the same rank
   and start iteration as ours (one bucket: the default buckets deadlocked at 4 ranks);
@@ -86,6 +87,7 @@ class Plan:
     horovod_controllers: Sequence[str] = ("gloo", "mpi")
     controller: str = "gloo"
     cycle_time_ms: float | None = None
+    separate: bool = True
     bucket_mb: float | None = None
     accuracy_rate: str | None = "100mbit"
     epochs: int = 12
@@ -117,6 +119,9 @@ class Plan:
                    for c in self.horovod_controllers]
         systems = [*horovod, System("ddp", "ddp", None, [{"scheme": s} for s in self.ddp]),
                    System("hvd-compress", "hvd-compress", self.controller, ours)]
+        if self.separate:  # fresh processes for every configuration
+            return [System(s.label, s.runs, s.controller, [c]) for s in systems
+                    for c in s.configs]
         return [system for system in systems if system.configs]
 
     @property
