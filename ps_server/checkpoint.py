@@ -103,9 +103,9 @@ def journal_path(path: Path, generation: int) -> Path:
     return path.with_name(f"{path.stem}.journal-{generation}")
 
 
-def save(path: Path, snapshot: dict[str, Any], generation: int = 0) -> None:
+def save(path: Path, snapshot: dict[str, Any], generation: int = 0) -> int:
     """Atomically write a :meth:`ShardStore.snapshot` to ``path``, continued by journal
-    ``generation``."""
+    ``generation``; returns the bytes written."""
     arrays: dict[str, np.ndarray] = {}
     tensors = []
     for j, (name, t) in enumerate(snapshot["tensors"].items()):
@@ -134,6 +134,7 @@ def save(path: Path, snapshot: dict[str, Any], generation: int = 0) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fault_point("snapshot-renamed")
+    return len(data)
 
 
 def load(path: Path) -> dict[str, Any] | None:

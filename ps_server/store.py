@@ -504,7 +504,8 @@ class ShardStore:
         state.pushed = {}
         state.last_digests, state.digests = state.digests, {}
         state.opened = None
-        self._notify(tensor)
+        if not self.durable:  # else pulls can answer only after mark_durable, which wakes
+            self._notify(tensor)
 
     def _notify(self, tensor: str) -> None:
         self._cond.notify_all()

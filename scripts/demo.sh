@@ -9,7 +9,9 @@
 #   scripts/demo.sh qsgd:bits=4 --epochs 10      # dense schemes use Horovod's collectives
 #   PS_TRANSPORT=mpi scripts/demo.sh             # one MPMD mpirun: 2 workers + 1 server rank
 # With PS_TRANSPORT=grpc (the default) the server is its own process (python -m ps_server)
-# and the workers run under horovodrun with Gloo.
+# and the workers run under horovodrun with Gloo; server options come from HVD_PS_*
+# variables (HVD_PS_CHECKPOINT_DIR=ckpt scripts/demo.sh keeps checkpoints), and its CPU
+# time is printed at the end.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -48,9 +50,13 @@ grpc)
     echo "parameter server: pid $SERVER at grpc://$ADDRESS (log: $LOG)"
     horovodrun -np "$WORKERS" -H "localhost:$WORKERS" --gloo \
         python examples/digits.py --scheme "$SCHEME" --compare --ps "grpc://$ADDRESS" "$@"
+    # utime + stime of the server process, in clock ticks (fields 14 and 15).
+    CPU="$(awk -v hz="$(getconf CLK_TCK)" '{printf "%.2f", ($14 + $15) / hz}' \
+        "/proc/$SERVER/stat" 2>/dev/null || echo "?")"
     kill "$SERVER"
     wait "$SERVER" || true
     echo "parameter server: $(tail -n 1 "$LOG")"
+    echo "parameter server CPU: $CPU s"
     ;;
 *)
     echo "PS_TRANSPORT must be grpc or mpi, got ${PS_TRANSPORT}" >&2
