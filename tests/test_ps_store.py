@@ -288,3 +288,20 @@ def test_idle_tensors_expire_and_are_freed(caplog):
     assert sorted(store.tensors) == ["s2/a"]
     assert "session 's1' expired after 60 s idle: freed 2 tensors" in caplog.text
     assert store.held_bytes() < held / 2
+
+
+def test_a_journal_write_holds_only_the_rounds_that_finished(tmp_path):
+    """One round of one tensor costs the same record with 1 or 300 tensors registered."""
+    sizes = []
+    for tensors in (1, 300):
+        service, _ = make(workers=1, mode="topk", checkpoint_dir=str(tmp_path / str(tensors)))
+        service.restore()
+        for t in range(tensors):
+            service.push(push(0, 0, [1, 2], [1.0, 2.0], tensor=f"t{t}"), "t")
+            service.pull(pull(0, tensor=f"t{t}"), "t", 5.0)
+        before = service.journal_bytes
+        service.push(push(0, 1, [3], [1.0], tensor="t0"), "t")
+        service.pull(pull(1, tensor="t0"), "t", 5.0)
+        sizes.append(service.journal_bytes - before)
+        service.close()
+    assert sizes[0] == sizes[1] < 200, sizes
