@@ -26,6 +26,7 @@ from hvd_compress.pipeline import Pipeline, StepStats
 from hvd_compress.policy import Policy
 from hvd_compress.schemes.base import Scheme
 from hvd_compress.schemes.dense import NoCompression
+from hvd_compress.stats import StatsLogger
 from hvd_compress.tensorflow.comm import HorovodTFCommunicator, to_tf, to_torch
 from hvd_compress.tensorflow.servers import resolve, with_servers
 
@@ -105,6 +106,8 @@ class GradientExchange:
         comm = with_servers(HorovodTFCommunicator(self.process_set), self.ps, self.process_set)
         self.pipeline = Pipeline(compression, comm, policy, average=(op == hvd.Average),
                                  prescale=gradient_predivide_factor, seed=seed)
+        self.steps = 0  # completed exchanges
+        self.stats_logger: StatsLogger | None = None  # called after each (see keras.py)
 
     @staticmethod
     def normalize(options: dict[str, Any]) -> dict[str, Any]:
@@ -145,6 +148,9 @@ class GradientExchange:
 
     def _reduce_now(self, names: Sequence[str], *tensors: tf.Tensor) -> list[tf.Tensor]:
         results = self.pipeline.reduce({n: to_torch(t) for n, t in zip(names, tensors)})
+        self.steps += 1
+        if self.stats_logger is not None:
+            self.stats_logger(self.steps, self.pipeline.last_step, self.pipeline.total)
         return [to_tf(results[n]) for n in names]
 
     @property

@@ -15,9 +15,9 @@ import horovod.tensorflow as hvd
 import keras
 import numpy as np
 
-from hvd_compress.pipeline import StepStats
 from hvd_compress.policy import Policy
 from hvd_compress.schemes.base import Scheme
+from hvd_compress.stats import CompressionStats, StatsLogger
 from hvd_compress.tensorflow.broadcast import broadcast_variables
 from hvd_compress.tensorflow.exchange import (
     STATE_KEY,
@@ -65,14 +65,26 @@ class _DistributedOptimizer(keras.optimizers.Optimizer):
         return super(self.__class__, self).apply(grads, trainable_variables)
 
     @property
-    def compression_stats(self) -> StepStats:
-        """Bytes of the last completed step on this rank (see :class:`StepStats`)."""
-        return self.hvd_compress_state.exchange.last_step
+    def compression_stats(self) -> CompressionStats:
+        """Bytes and time of the last completed step on this rank: ``print()`` it for a
+        summary, ``.to_dict()`` for a plain dict (see :class:`CompressionStats`)."""
+        exchange = self.hvd_compress_state.exchange
+        return CompressionStats.of(exchange.last_step, min(exchange.steps, 1))
 
     @property
-    def compression_totals(self) -> StepStats:
-        """Bytes summed over all steps so far on this rank."""
-        return self.hvd_compress_state.exchange.total
+    def compression_totals(self) -> CompressionStats:
+        """The same, summed over all steps completed so far on this rank."""
+        exchange = self.hvd_compress_state.exchange
+        return CompressionStats.of(exchange.total, exchange.steps)
+
+    def log_compression_stats(self, to: Any, every: int = 100,
+                              prefix: str = "hvd_compress") -> None:
+        """After every ``every``-th step, send that step's :attr:`compression_stats` to
+        ``to``: a TensorBoard writer with ``add_scalar(tag, value, global_step)`` or a
+        callable ``to(step, stats)``; ``None`` stops. As the PyTorch optimizer's (see
+        :class:`hvd_compress.stats.StatsLogger`)."""
+        self.hvd_compress_state.exchange.stats_logger = (
+            None if to is None else StatsLogger(to, every, prefix))
 
     def save_own_variables(self, store: Any) -> None:
         """The wrapped optimizer's variables plus this rank's compression state (Keras'

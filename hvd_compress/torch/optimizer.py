@@ -22,9 +22,10 @@ from hvd_compress.comm.parameter_server import (
     connect,
 )
 from hvd_compress.compression import Compression
-from hvd_compress.pipeline import Pipeline, StepStats
+from hvd_compress.pipeline import Pipeline
 from hvd_compress.policy import Policy
 from hvd_compress.schemes.base import Scheme
+from hvd_compress.stats import CompressionStats, StatsLogger
 from hvd_compress.torch.broadcast import any_dtype_broadcasts
 
 STATE_KEY = "hvd_compress"
@@ -121,6 +122,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._requires_update: list[torch.Tensor] = []
         self._synchronized = False
         self._should_synchronize = True
+        self._completed_steps = 0
+        self._stats_logger: StatsLogger | None = None
         for group in self.param_groups:
             for p in group["params"]:
                 if p.requires_grad:
@@ -173,6 +176,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if p.grad.is_sparse:
                 p.grad = results[self._parameter_names[p]].to_sparse()
         self._synchronized = True
+        self._completed_steps += 1
+        if self._stats_logger is not None:
+            self._stats_logger(self._completed_steps, self._pipeline.last_step,
+                               self._pipeline.total)
 
     @contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -203,20 +210,26 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     # Statistics and state -------------------------------------------------------------------
     @property
-    def compression_stats(self) -> StepStats:
-        """Bytes of the last completed step on this rank (see :class:`StepStats`)."""
-        return self._pipeline.last_step
+    def compression_stats(self) -> CompressionStats:
+        """Bytes and time of the last completed step on this rank: ``print()`` it for a
+        summary, ``.to_dict()`` for a plain dict (see :class:`CompressionStats`)."""
+        return CompressionStats.of(self._pipeline.last_step, min(self._completed_steps, 1))
 
     @property
-    def compression_totals(self) -> StepStats:
-        """Bytes summed over all steps so far on this rank."""
-        return self._pipeline.total
+    def compression_totals(self) -> CompressionStats:
+        """The same, summed over all steps completed so far on this rank."""
+        return CompressionStats.of(self._pipeline.total, self._completed_steps)
 
-    @property
-    def compression_feedback(self) -> dict[str, Any]:
-        """Per error-feedback tensor, the last step's compression error and residual norm
-        (:meth:`hvd_compress.feedback.ErrorFeedback.report`)."""
-        return self._pipeline.feedback.report()
+    def log_compression_stats(self, to: Any, every: int = 100,
+                              prefix: str = "hvd_compress") -> None:
+        """After every ``every``-th step, send that step's :attr:`compression_stats` to
+        ``to``: a ``torch.utils.tensorboard.SummaryWriter`` (or any object with
+        ``add_scalar(tag, value, global_step)``; tags under ``prefix``, e.g.
+        ``hvd_compress/ratio``, ``hvd_compress/bytes/<round>``,
+        ``hvd_compress/total_ratio``) or a callable ``to(step, stats)``. Steps count
+        completed exchanges from 1. Each rank logs its own bytes: call it on rank 0 only
+        for one series. ``to=None`` stops logging. See :class:`StatsLogger`."""
+        self._stats_logger = None if to is None else StatsLogger(to, every, prefix)
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state plus residuals, scheme state and step counters."""

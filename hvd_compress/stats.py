@@ -1,0 +1,144 @@
+"""What the optimizers report about compression: a readable summary, a plain dict, and a
+logger that sends it every N steps to TensorBoard or any callable.
+
+:class:`CompressionStats` is a read-only copy of a :class:`~hvd_compress.pipeline.StepStats`
+(the pipeline's counters of one step, or of all steps so far) with plain ``dict`` fields:
+``str(stats)`` is a short summary, :meth:`CompressionStats.to_dict` a dict of numbers and
+dicts of numbers, :meth:`CompressionStats.scalars` the same flattened to
+``"prefix/name" -> number`` (the tags a TensorBoard writer takes). Both bindings return it
+from ``optimizer.compression_stats`` / ``compression_totals``; :class:`StatsLogger` is the
+hook behind ``optimizer.log_compression_stats``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from hvd_compress.pipeline import StepStats
+
+
+def _size(n: float) -> str:
+    """Bytes as ``"1.5 MB"`` (decimal units, as the README's tables)."""
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"  # unreachable: the loop returns at GB
+
+
+@dataclass(frozen=True)
+class CompressionStats:
+    """Bytes and time of ``steps`` steps on this rank (1 for ``compression_stats``, all
+    completed steps for ``compression_totals``); the fields are
+    :class:`~hvd_compress.pipeline.StepStats`'s.
+
+    ``payload_bytes``: this rank's encoded gradients; ``dense_bytes``: the same gradients
+    as float32; ``ratio``: ``dense_bytes / payload_bytes``; ``collective_bytes``: bytes by
+    round name; ``collectives``: collectives started; ``seconds``: time by part of the
+    exchange.
+    """
+
+    steps: int
+    payload_bytes: int = 0
+    dense_bytes: int = 0
+    compressed_tensors: int = 0
+    dense_tensors: int = 0
+    collectives: int = 0
+    collective_bytes: dict[str, int] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, stats: StepStats, steps: int) -> CompressionStats:
+        """A copy of ``stats`` (its dicts copied as plain dicts, in sorted key order)."""
+        return cls(steps, stats.payload_bytes, stats.dense_bytes, stats.compressed_tensors,
+                   stats.dense_tensors, stats.collectives,
+                   {k: int(v) for k, v in sorted(stats.collective_bytes.items())},
+                   {k: float(v) for k, v in sorted(stats.seconds.items())})
+
+    @property
+    def ratio(self) -> float:
+        """``dense_bytes / payload_bytes`` (``dense_bytes`` when nothing was sent)."""
+        return self.dense_bytes / max(self.payload_bytes, 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field and ``ratio``, as plain ints, floats and dicts (JSON-serialisable)."""
+        return {"steps": self.steps, "payload_bytes": self.payload_bytes,
+                "dense_bytes": self.dense_bytes, "ratio": self.ratio,
+                "compressed_tensors": self.compressed_tensors,
+                "dense_tensors": self.dense_tensors, "collectives": self.collectives,
+                "collective_bytes": dict(self.collective_bytes),
+                "seconds": dict(self.seconds)}
+
+    def scalars(self, prefix: str = "hvd_compress") -> dict[str, float]:
+        """:meth:`to_dict` flattened to ``{"<prefix>/<name>": number}``; the dicts become
+        ``<prefix>/bytes/<round>`` and ``<prefix>/seconds/<part>``."""
+        flat: dict[str, float] = {}
+        for key, value in self.to_dict().items():
+            if isinstance(value, dict):
+                name = "bytes" if key == "collective_bytes" else key
+                flat.update({f"{prefix}/{name}/{k}": v for k, v in value.items()})
+            else:
+                flat[f"{prefix}/{key}"] = value
+        return flat
+
+    def __str__(self) -> str:
+        what = "1 step" if self.steps == 1 else f"{self.steps} steps"
+        per_step = self.steps > 1
+        lines = [f"{what}: sent {_size(self.payload_bytes)} for {_size(self.dense_bytes)} "
+                 f"of float32 gradients ({self.ratio:.1f}x smaller)"
+                 + (f", {_size(self.payload_bytes / self.steps)} per step" if per_step
+                    else ""),
+                 f"  tensors: {self.compressed_tensors} compressed, {self.dense_tensors} "
+                 f"dense; {self.collectives} collectives"]
+        if self.collective_bytes:
+            lines.append("  by round: " + ", ".join(f"{k} {_size(v)}"
+                                                    for k, v in self.collective_bytes.items()))
+        if self.seconds:
+            total = sum(self.seconds.values())
+            lines.append(f"  exchange time {total * 1e3:.1f} ms: " + ", ".join(
+                f"{k} {v * 1e3:.1f}" for k, v in
+                sorted(self.seconds.items(), key=lambda item: -item[1])))
+        return "\n".join(lines)
+
+
+Sink = Callable[[int, CompressionStats], Any]
+"""A callable logging sink: ``sink(step, stats)`` (``stats`` of the step just finished)."""
+
+
+class StatsLogger:
+    """Sends a step's :class:`CompressionStats` to ``to`` after every ``every``-th step.
+
+    ``to`` is either a writer with TensorBoard's ``add_scalar(tag, value, global_step)``
+    (``torch.utils.tensorboard.SummaryWriter``, ``tensorboardX``'s): every entry of
+    :meth:`CompressionStats.scalars` (tags under ``prefix``) plus ``<prefix>/total_ratio``
+    of all steps so far is written at ``global_step=step``; or any callable, called as
+    ``to(step, stats)``. ``step`` counts completed exchanges from 1. ``every`` must be a
+    positive int.
+    """
+
+    def __init__(self, to: Any, every: int = 100, prefix: str = "hvd_compress") -> None:
+        if isinstance(every, bool) or not isinstance(every, int) or every <= 0:
+            raise ValueError(f"every must be a positive number of steps, got {every!r}")
+        self.add_scalar = getattr(to, "add_scalar", None)
+        if self.add_scalar is None and not callable(to):
+            raise TypeError("to must be a TensorBoard writer (an object with "
+                            "add_scalar(tag, value, global_step), e.g. torch.utils."
+                            "tensorboard.SummaryWriter) or a callable(step, stats); got "
+                            f"{type(to).__name__}")
+        self.to, self.every, self.prefix = to, every, prefix
+
+    def __call__(self, step: int, last: StepStats, total: StepStats) -> None:
+        """After completed exchange number ``step``: log ``last`` if ``step`` is a multiple
+        of ``every`` (``total``: the counters of all steps so far)."""
+        if step % self.every:
+            return
+        stats = CompressionStats.of(last, 1)
+        if self.add_scalar is None:
+            self.to(step, stats)
+            return
+        scalars = stats.scalars(self.prefix)
+        scalars[f"{self.prefix}/total_ratio"] = CompressionStats.of(total, step).ratio
+        for tag, value in scalars.items():
+            self.add_scalar(tag, value, step)

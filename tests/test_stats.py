@@ -1,0 +1,96 @@
+"""``compression_stats``: readable, a plain dict, and logged every N steps to TensorBoard
+or a callable."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+
+import pytest
+
+from hvd_compress.pipeline import StepStats
+from hvd_compress.stats import CompressionStats, StatsLogger
+from tests.harness import run_ranks
+
+
+def sample() -> StepStats:
+    stats = StepStats(payload_bytes=1500, dense_bytes=48_000, compressed_tensors=2,
+                      dense_tensors=1, collectives=3)
+    stats.collective_bytes["scatter"] += 1000
+    stats.collective_bytes["gather"] += 500
+    stats.seconds["wait scatter"] += 0.004
+    stats.seconds["scheme"] += 0.001
+    return stats
+
+
+def test_summary_and_plain_dict() -> None:
+    stats = CompressionStats.of(sample(), 1)
+    text = str(stats)
+    assert text.splitlines()[0] == ("1 step: sent 1.5 kB for 48.0 kB of float32 gradients "
+                                    "(32.0x smaller)")
+    assert "2 compressed, 1 dense; 3 collectives" in text
+    assert "by round: gather 500 B, scatter 1.0 kB" in text
+    assert "exchange time 5.0 ms: wait scatter 4.0, scheme 1.0" in text
+    as_dict = stats.to_dict()
+    assert type(as_dict["collective_bytes"]) is dict and type(as_dict["seconds"]) is dict
+    assert json.loads(json.dumps(as_dict)) == as_dict
+    assert as_dict["ratio"] == 32.0 and as_dict["collective_bytes"] == {"gather": 500,
+                                                                       "scatter": 1000}
+    assert stats.scalars("x")["x/bytes/scatter"] == 1000
+    assert stats.scalars("x")["x/seconds/scheme"] == pytest.approx(0.001)
+    totals = CompressionStats.of(sample(), 3)
+    assert "3 steps:" in str(totals) and "500 B per step" in str(totals)
+
+
+def test_logger_checks_its_arguments_and_logs_every_n_steps() -> None:
+    with pytest.raises(ValueError, match="every must be a positive number"):
+        StatsLogger(print, every=0)
+    with pytest.raises(TypeError, match="add_scalar"):
+        StatsLogger(5)
+    seen: list[int] = []
+    logger = StatsLogger(lambda step, stats: seen.append(step), every=3)
+    for step in range(1, 10):
+        logger(step, sample(), sample())
+    assert seen == [3, 6, 9]
+
+    written: dict[str, list[tuple[int, float]]] = defaultdict(list)
+
+    class Writer:
+        def add_scalar(self, tag: str, value: float, global_step: int) -> None:
+            written[tag].append((global_step, value))
+
+    StatsLogger(Writer(), every=1, prefix="p")(4, sample(), sample())
+    assert written["p/ratio"] == [(4, 32.0)] and written["p/total_ratio"] == [(4, 32.0)]
+    assert written["p/bytes/gather"] == [(4, 500)]
+
+
+@pytest.mark.multiprocess
+def test_optimizer_logs_to_a_callable_and_to_tensorboard() -> None:
+    pytest.importorskip("tensorboard")
+    ranks = run_ranks("tests.workers.stats:logged", np=2, launcher="gloo", steps=6, every=2)
+    for out in ranks:
+        numel = out["numel"]
+        assert out["before"].startswith("0 steps: sent 0 B")
+        # Every step sends the same bytes: the totals are 6 times one step's.
+        payload = out["last_dict"]["payload_bytes"]
+        assert out["totals"]["steps"] == 6 and out["last_dict"]["steps"] == 1
+        assert out["totals"]["payload_bytes"] == 6 * payload
+        assert out["totals"]["dense_bytes"] == 6 * 4 * numel
+        # fp16 through the compressed all-reduce: 2 bytes per element plus chunk scales.
+        assert 2 * numel <= payload < 2.1 * numel
+        ratio = 4 * numel / payload
+        assert [step for step, _, _ in out["calls"]] == [2]
+        for _, as_dict, text in out["calls"]:
+            assert {k: v for k, v in as_dict.items() if k != "seconds"} == \
+                {k: v for k, v in out["last_dict"].items() if k != "seconds"}
+            assert as_dict["seconds"] and all(v >= 0 for v in as_dict["seconds"].values())
+            assert f"({ratio:.1f}x smaller)" in text
+        # The writer replaced the callable after step 3: steps 4 and 6 reached it.
+        assert [step for step, _ in out["scalars"]["hvd_compress/ratio"]] == [4, 6]
+        assert [v for _, v in out["scalars"]["hvd_compress/ratio"]] == \
+            pytest.approx([ratio] * 2)
+        assert [v for _, v in out["scalars"]["hvd_compress/payload_bytes"]] == [payload] * 2
+        assert [v for _, v in out["scalars"]["hvd_compress/total_ratio"]] == \
+            pytest.approx([ratio] * 2)
+        assert str(out["last"]).startswith(f"1 step: sent {payload / 1000:.1f} kB")
+        assert "per step" in out["totals_str"]
