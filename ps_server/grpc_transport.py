@@ -239,8 +239,10 @@ async def _start(service: FrameHandler, bind: str, pull_timeout: float, token: s
 
 
 def tick_forever(service: ShardService, stop: threading.Event) -> threading.Thread:
-    """Expire rounds and idle tensors from a daemon thread until ``stop``."""
+    """Expire rounds and idle tensors from a daemon thread until ``stop`` (and let the
+    store tell a stopped process from missing pushes, see ``ShardStore.freeze_gap``)."""
     interval = min(0.5, service.store.deadline / 4)
+    service.store.freeze_gap = max(2.0, 4 * interval)
 
     def loop() -> None:
         while not stop.wait(interval):

@@ -62,6 +62,7 @@ def serve(service: ShardService, world: Any, workers: list[int], max_idle_sleep:
     replies = _Replies(world)
     status = MPI.Status()
     idle, next_tick, durable = 0.0, 0.0, service.store.durable_version
+    service.store.freeze_gap = 2.0  # ticks come every 20 ms while idle
     while active:
         if parked and service.store.durable_version != durable:  # the journal caught up
             durable = service.store.durable_version

@@ -193,6 +193,12 @@ class ShardStore:
         self._undurable: list[tuple[str, Finished]] = []
         self.listeners: list[Callable[[str], None]] = []
         self.durable_version = 0  # counts mark_durable calls, for polling transports
+        # Set by transports that call expire() at least every freeze_gap / 4 seconds: a
+        # longer gap means the process was stopped (SIGSTOP, a VM pause) or starved, and
+        # the pushes sent meanwhile wait unread in its sockets; deadlines then count from
+        # when the server runs again, so those pushes are read before any round fails.
+        self.freeze_gap: float | None = None
+        self._awake = clock()
         self._cond = threading.Condition()
 
     # Requests ------------------------------------------------------------------------------
@@ -487,6 +493,15 @@ class ShardStore:
 
     def _expire_locked(self) -> None:
         now = self.clock()
+        if self.freeze_gap is not None:
+            gap = now - self._awake
+            self._awake = now
+            if gap > self.freeze_gap:  # requests that came meanwhile are still unread
+                log.warning("the server did not run for %.1f s (stopped or starved); the "
+                            "open rounds' deadlines move by as much", gap)
+                for state in self.tensors.values():
+                    if state.opened is not None:
+                        state.opened += gap
         for tensor, state in self.tensors.items():
             if state.opened is None or now - state.opened < self.deadline:
                 continue

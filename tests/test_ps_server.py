@@ -234,23 +234,36 @@ def test_topk_mode_returns_global_topk_with_residual(start):
         c.close()
 
 
-def test_tls_with_self_signed_certificate(start, tmp_path):
-    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+def _self_signed(key, cert) -> None:
     subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
                     "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", str(key), "-out",
                     str(cert), "-days", "1", "-subj", "/CN=localhost", "-addext",
                     "subjectAltName=DNS:localhost,IP:127.0.0.1"],
                    check=True, capture_output=True, timeout=30)
+
+
+def test_tls_with_self_signed_certificate(start, tmp_path):
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    _self_signed(key, cert)
     server = start("--workers", "1", "--tls-cert", str(cert), "--tls-key", str(key))
     assert "grpc+tls" in server.wait_for("serving shard").string
     client = PSClient(server.address, 0, root_certificates=cert.read_bytes(), timeout=20)
     idx, val = client.push_pull("tls", 0, 100, torch.tensor([3, 1]), torch.tensor([1.0, 2.0]))
     assert idx.tolist() == [1, 3] and val.tolist() == [2.0, 1.0]
     client.close()
-    plain = PSClient(server.address, 0, retry_timeout=1, timeout=5)
+    plain = PSClient(server.address, 0, connect_timeout=1, timeout=5)
     with pytest.raises(PSError, match="UNAVAILABLE"):
         plain.push_pull("tls", 1, 100, torch.tensor([1]), torch.tensor([1.0]))
     plain.close()
+    # A certificate the client does not trust fails at once, not after the retries.
+    _self_signed(tmp_path / "other.key", tmp_path / "other.pem")
+    wrong = PSClient(server.address, 0, root_certificates=(tmp_path / "other.pem").read_bytes(),
+                     connect_timeout=30, timeout=20)
+    began = time.monotonic()
+    with pytest.raises(PSError, match="TLS handshake failed"):
+        wrong.push_pull("tls", 1, 100, torch.tensor([1]), torch.tensor([1.0]))
+    assert time.monotonic() - began < 5
+    wrong.close()
 
 
 def test_kill_9_then_restart_from_checkpoint(start, tmp_path):

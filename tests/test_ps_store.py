@@ -305,3 +305,22 @@ def test_a_journal_write_holds_only_the_rounds_that_finished(tmp_path):
         sizes.append(service.journal_bytes - before)
         service.close()
     assert sizes[0] == sizes[1] < 200, sizes
+
+
+def test_a_stopped_server_reads_waiting_pushes_before_failing_the_round():
+    """A gap longer than freeze_gap between checks (SIGSTOP) moves deadlines: the push
+    that waited in the socket closes the round; without a gap the deadline still holds."""
+    service, clock = make(workers=2, deadline=10.0)
+    service.store.freeze_gap = 2.0
+    service.push(push(0, 0, [1], [1.0]), "t")
+    clock.now = 1.0
+    service.tick()
+    clock.now = 200.0  # stopped for 199 s, far past the deadline
+    service.push(push(1, 0, [1], [2.0]), "t")
+    assert dense(service.pull(pull(0), "t", 1.0))[1] == 3.0
+    service.push(push(0, 1, [1], [1.0]), "t")
+    for step in range(1, 12):  # ticks every second: the deadline passes normally
+        clock.now = 200.0 + step
+        service.tick()
+    with pytest.raises(RoundFailed, match="worker 1 did not push within the 10 s deadline"):
+        service.pull(pull(1), "t", 1.0)
