@@ -38,7 +38,12 @@ from torch import nn
 
 from hvd_compress import Compression, Policy
 from hvd_compress.schemes.dgc import DGC
-from hvd_compress.torch import DistributedOptimizer, broadcast_optimizer_state, init
+from hvd_compress.torch import (
+    DistributedOptimizer,
+    broadcast_optimizer_state,
+    broadcast_parameters,
+    init,
+)
 
 
 @dataclass
@@ -71,9 +76,13 @@ def make_model() -> nn.Module:
 
 def train(scheme: str = "none", epochs: int = 20, batch_size: int = 32, lr: float = 0.25,
           momentum: float = 0.5, seed: int = 0, verbose: bool = False,
-          min_numel: int = 1024, ps: str | None = None) -> Result:
+          min_numel: int = 1024, ps: str | None = None,
+          tensorboard: str | None = None) -> Result:
     """Train on this rank's shard; every rank returns the same test accuracy. ``ps`` is the
-    optimizer's ``ps=`` (parameter servers for the sparse schemes)."""
+    optimizer's ``ps=`` (parameter servers for the sparse schemes). ``verbose``: rank 0
+    prints a line per epoch and the run's compression summary. ``tensorboard``: a directory
+    where rank 0 logs the compression figures of every 10th step (``<dir>/<scheme>``, with
+    ``:`` and ``,`` as ``_``)."""
     torch.manual_seed(seed)
     x_train, y_train, x_test, y_test = load_split(seed)
     rank, size = hvd.rank(), hvd.size()
@@ -86,8 +95,14 @@ def train(scheme: str = "none", epochs: int = 20, batch_size: int = 32, lr: floa
                         momentum=0.0 if isinstance(compression, DGC) else momentum),
         named_parameters=model.named_parameters(), compression=compression,
         policy=Policy(min_numel=min_numel), seed=seed, ps=ps)
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    broadcast_parameters(model.state_dict(), root_rank=0)
     broadcast_optimizer_state(optimizer, root_rank=0)
+    writer = None
+    if tensorboard and rank == 0:
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(f"{tensorboard}/{scheme.replace(':', '_').replace(',', '_')}")
+        optimizer.log_compression_stats(writer, every=10)
     loss_fn = nn.CrossEntropyLoss()
     order = torch.Generator().manual_seed(seed + rank)
     steps = len(x_shard) // batch_size
@@ -110,6 +125,10 @@ def train(scheme: str = "none", epochs: int = 20, batch_size: int = 32, lr: floa
                   f"{stats.ratio:.1f}x)", flush=True)
     seconds = time.perf_counter() - start
     totals = optimizer.compression_totals
+    if writer is not None:
+        writer.close()
+    if verbose and rank == 0:
+        print(f"[{scheme}] {totals}", flush=True)
     n_steps = max(epochs * steps, 1)
     return Result(scheme, epochs, accuracy(model, x_test, y_test), float(loss.item()),
                   totals.payload_bytes / n_steps, totals.dense_bytes / n_steps,
@@ -138,13 +157,17 @@ def main() -> None:
                         help="parameter servers for top-k/DGC: grpc://HOST:PORT[,HOST:PORT] "
                              "or mpi (default: $HVD_COMPRESS_PS; none: Horovod allgather)")
     parser.add_argument("--json", help="write the results to this file (rank 0)")
+    parser.add_argument("--tensorboard", metavar="DIR",
+                        help="log rank 0's compression figures every 10 steps to DIR/<scheme> "
+                             "(needs the tensorboard package)")
     args = parser.parse_args()
 
     init(ps=args.ps)
     torch.set_num_threads(1)
     schemes = (["none"] if args.compare else []) + [args.scheme]
     results = [train(s, args.epochs, lr=args.lr, momentum=args.momentum, seed=args.seed,
-                     verbose=True, ps=args.ps) for s in schemes]
+                     verbose=True, ps=args.ps, tensorboard=args.tensorboard)
+               for s in schemes]
     if hvd.rank() == 0:
         print(f"\n{'scheme':<28} {'test acc':>9} {'bytes/step':>12} {'fp32 bytes':>12} "
               f"{'ratio':>7} {'time':>7}")

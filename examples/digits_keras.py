@@ -17,9 +17,10 @@ or as extra ranks of one MPMD launch, over MPI::
     mpirun --allow-run-as-root -np 2 python examples/digits_keras.py --scheme topk:ratio=0.01 \
         --ps mpi : -np 1 python -m ps_server --transport mpi --workers 2
 
-Rank 0 prints the test accuracy and the bytes its gradients took per step against
-float32; ``--compare`` first trains uncompressed with the same seed and epochs. The network,
-data split and hyper-parameters are those of ``examples/digits.py`` (the PyTorch version).
+Rank 0 prints, per epoch and at the end, the loss, test accuracy and the bytes its
+gradients took per step against float32; ``--compare`` first trains uncompressed with the
+same seed and epochs. The network, data split and hyper-parameters are those of
+``examples/digits.py`` (the PyTorch version).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import argparse
 import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -70,11 +72,38 @@ def make_model() -> keras.Model:
                              keras.layers.Dense(10)])
 
 
+class EpochProgress(keras.callbacks.Callback):
+    """After each epoch, on rank 0: the loss, the test accuracy and the bytes the last
+    step's gradients took against float32 (the optimizer's ``compression_stats``)."""
+
+    def __init__(self, scheme: str, epochs: int, optimizer: Any, x_test: np.ndarray,
+                 y_test: np.ndarray) -> None:
+        super().__init__()
+        self.scheme, self.epochs, self.optimizer = scheme, epochs, optimizer
+        self.x_test, self.y_test = x_test, y_test
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        if hvd.rank() != 0:
+            return
+        stats = self.optimizer.compression_stats
+        print(f"[{self.scheme}] epoch {epoch + 1:3d}/{self.epochs}  "
+              f"loss {(logs or {}).get('loss', float('nan')):.4f}  "
+              f"test acc {accuracy(self.model, self.x_test, self.y_test):6.2f}%  "
+              f"bytes/step {stats.payload_bytes:,} (fp32 {stats.dense_bytes:,}, "
+              f"{stats.ratio:.1f}x)", flush=True)
+
+
+def accuracy(model: keras.Model, x: np.ndarray, y: np.ndarray) -> float:
+    predicted = np.argmax(model.predict(x, verbose=0), axis=1)
+    return 100.0 * float(np.mean(predicted == y))
+
+
 def train(scheme: str = "none", epochs: int = 20, batch_size: int = 32, lr: float = 0.25,
           momentum: float = 0.5, seed: int = 0, min_numel: int = 1024,
-          ps: str | None = None) -> KerasResult:
+          ps: str | None = None, verbose: bool = False) -> KerasResult:
     """Train with ``model.fit`` on this rank's shard; every rank returns the same accuracy.
-    ``ps`` is the optimizer's ``ps=`` (parameter servers for the sparse schemes).
+    ``ps`` is the optimizer's ``ps=`` (parameter servers for the sparse schemes);
+    ``verbose``: rank 0 prints a line per epoch (:class:`EpochProgress`).
 
     Every rank takes the same number of steps per epoch (the shard is cut to whole batches
     of the smallest shard), as Horovod requires.
@@ -93,11 +122,13 @@ def train(scheme: str = "none", epochs: int = 20, batch_size: int = 32, lr: floa
     model.compile(optimizer=optimizer, jit_compile=False,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     start = time.perf_counter()
+    callbacks: list[keras.callbacks.Callback] = [BroadcastGlobalVariablesCallback(root_rank=0)]
+    if verbose:
+        callbacks.append(EpochProgress(scheme, epochs, optimizer, x_test, y_test))
     history = model.fit(x_shard, y_shard, batch_size=batch_size, epochs=epochs, verbose=0,
-                        callbacks=[BroadcastGlobalVariablesCallback(root_rank=0)])
+                        callbacks=callbacks)
     seconds = time.perf_counter() - start
-    predicted = np.argmax(model.predict(x_test, verbose=0), axis=1)
-    return KerasResult(scheme, 100.0 * float(np.mean(predicted == y_test)),
+    return KerasResult(scheme, accuracy(model, x_test, y_test),
                        float(history.history["loss"][-1]), optimizer.compression_totals.ratio,
                        seconds)
 
@@ -121,9 +152,9 @@ def main() -> None:
     init(ps=args.ps)
     schemes = (["none"] if args.compare else []) + [args.scheme]
     results = [train(s, args.epochs, lr=args.lr, momentum=args.momentum, seed=args.seed,
-                     ps=args.ps) for s in schemes]
+                     ps=args.ps, verbose=True) for s in schemes]
     if hvd.rank() == 0:
-        print(f"{'scheme':<28} {'test acc':>9} {'loss':>8} {'ratio':>7} {'time':>7}")
+        print(f"\n{'scheme':<28} {'test acc':>9} {'loss':>8} {'ratio':>7} {'time':>7}")
         for r in results:
             print(f"{r.scheme:<28} {r.test_accuracy:8.2f}% {r.final_loss:8.4f} "
                   f"{r.ratio:6.1f}x {r.seconds:6.1f}s")
