@@ -110,8 +110,8 @@ class ParameterServerCommunicator:
     and advanced on every exchange, failed steps included, identically on every worker.
     ``session`` must be the same on every worker and new for each run of the job (the
     optimizer broadcasts a random one from rank 0), so a job restarted from its checkpoint
-    starts fresh rounds while servers that kept running still hold the old ones (restart
-    the servers to free them). ``start`` pushes (never waiting for other workers) and
+    starts fresh rounds while servers that kept running still hold the old ones (they free
+    them after ``--idle-timeout``). ``start`` pushes (never waiting for other workers) and
     ``wait`` pulls the aggregate.
     """
 
