@@ -14,7 +14,8 @@ Sparse schemes (top-k, DGC) send their pairs to a parameter server, over gRPC::
 
 or as extra ranks of one MPMD launch, over MPI::
 
-    mpirun --allow-run-as-root -np 2 python examples/digits_keras.py --scheme topk:ratio=0.01 \
+    mpirun --allow-run-as-root --oversubscribe -np 2 python examples/digits_keras.py \
+        --scheme topk:ratio=0.01 \
         --ps mpi : -np 1 python -m ps_server --transport mpi --workers 2
 
 Rank 0 prints, per epoch and at the end, the loss, test accuracy and the bytes its

@@ -19,7 +19,12 @@ The design, the same for both bindings:
   Horovod starts on ``MPI.COMM_WORLD`` as before. Outside MPMD ``mpirun`` nothing is wrapped.
 
 MPMD is recognised by Open MPI's ``$OMPI_NUM_APP_CTX`` (the number of ``:``-separated app
-contexts), which ``mpirun`` sets in every rank without any communication.
+contexts), which ``mpirun`` sets in every rank without any communication. Nothing runs at
+import: the check is one collective at the moment ``hvd.init()`` is called, which is why it
+costs nothing when it is not needed and answers within that collective's time when it is.
+Its one requirement: in an MPMD launch, every app context that calls ``hvd.init()`` imports
+hvd-compress first (an app context that starts Horovod without it would enter Horovod's
+collective while the others enter the servers').
 """
 
 from __future__ import annotations
