@@ -6,7 +6,9 @@
 #     cpu     docker/Dockerfile.cpu -> hvd-compress/cpu:VERSION (workers), with the
 #             Horovod wheel built by scripts/install.sh as a build input, then runs
 #             `horovodrun --check-build` and a 2-rank digits run with top-k inside it
-#             against a server running inside the server image
+#             against a server running inside the server image. CPU torch and TensorFlow
+#             wheels found in $HVD_IMAGES_WHEEL_DIRS (default: /opt/wheels and
+#             $HVD_COMPRESS_CACHE/wheels) are build inputs too; others come from PyPI
 #     gpu     docker/Dockerfile.gpu (needs a registry with CUDA base images)
 # The base image is $BASE if set, else debian:bookworm-slim from a registry, else (no
 # registry reachable, or HVD_IMAGES_LOCAL_BASE=1) a Debian bookworm root made locally with
@@ -138,10 +140,14 @@ stage_wheels() {  # the Horovod wheel (and a CPU torch wheel, if cached) as buil
   rm -rf docker/wheels && mkdir -p docker/wheels
   bash scripts/install.sh >/dev/null  # builds and caches the Horovod wheel if needed
   cp "$CACHE"/horovod-0.28.1-torch2.13.0-tf2.21.0/horovod-*.whl docker/wheels/
-  local torch_wheel
-  torch_wheel="$(find /opt/wheels "$CACHE" -name 'torch-2.13.0+cpu-*.whl' 2>/dev/null | head -n1 || true)"
-  [ -n "$torch_wheel" ] && cp "$torch_wheel" docker/wheels/
-  return 0
+  local dir wheel
+  # shellcheck disable=SC2086
+  for dir in ${HVD_IMAGES_WHEEL_DIRS:-/opt/wheels $CACHE/wheels}; do
+    for wheel in "$dir"/torch-2.13.0+cpu-*.whl "$dir"/tensorflow_cpu-2.21.0-*.whl; do
+      [ -f "$wheel" ] && cp "$wheel" docker/wheels/
+    done
+  done
+  log "build inputs: $(cd docker/wheels && echo *.whl)"
 }
 
 test_cpu() {

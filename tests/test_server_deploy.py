@@ -150,3 +150,39 @@ def test_version_and_help_show_defaults_and_environment():
         env = "HVD_PS_" + flag[2:].upper().replace("-", "_")
         pattern = rf"\n  {flag}\b[^\[]*\[env {env}; default {re.escape(default)}\]"
         assert re.search(pattern, text), (flag, text)
+
+
+def test_pip_install_into_a_fresh_venv_gives_a_working_server(tmp_path):
+    """``pip install .[server]`` into a new environment (no torch): the wheel carries the
+    compiled kernels, and its ``hvd-ps-server`` serves a round."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    install = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", f"{ROOT}[server]"],
+                             capture_output=True, text=True, timeout=600, env=env,
+                             cwd=tmp_path)
+    assert install.returncode == 0, install.stderr
+    python = str(venv / "bin" / "python")
+    assert subprocess.run([python, "-c", "import torch"], env=env, cwd=tmp_path,
+                          capture_output=True).returncode != 0  # torch is not installed
+    native = subprocess.run([python, "-W", "error::RuntimeWarning", "-m",
+                             "hvd_compress.native"], capture_output=True, text=True, env=env,
+                            cwd=tmp_path, timeout=120)
+    assert native.returncode == 0, native.stderr
+    assert native.stdout.startswith(str(venv)) and "_kernels" in native.stdout
+    proc = subprocess.Popen([str(venv / "bin" / "hvd-ps-server"), "--workers", "2", "--bind",
+                             "127.0.0.1:0"], env=env, cwd=tmp_path, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        for line in proc.stderr:
+            if match := re.search(r"serving shard 0/1 on 127\.0\.0\.1:(\d+)", line):
+                break
+        else:
+            raise AssertionError(f"the installed server exited with {proc.wait()}")
+        indices, values, _ = client.run_round(f"127.0.0.1:{match.group(1)}", 2)
+        want = client.expected(2)
+        assert indices.tolist() == sorted(want)
+        assert values.tolist() == [want[i] for i in sorted(want)]
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
