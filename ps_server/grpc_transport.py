@@ -73,6 +73,8 @@ class _Gate(grpc.aio.ServerInterceptor):
 
         def unauthenticated(peer: str) -> str:
             log.warning("refused a call from %s: missing or wrong token", peer)
+            if isinstance(service, ShardService):
+                service.metrics.rejected("any", "Unauthenticated")
             return _TOKEN_HELP
 
         self._deny = _refusal(grpc.StatusCode.UNAUTHENTICATED, unauthenticated)

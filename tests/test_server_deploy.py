@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hvd_compress import __version__
-from hvd_compress.ps_protocol import GRPC_PUSH
+from hvd_compress.ps_protocol import GRPC_PUSH, token_metadata
 from ps_server import checkpoint
 from tests import torch_free_client as client
 from tests.harness import ROOT
@@ -66,21 +66,27 @@ def test_server_serves_a_round_without_torch_tensorflow_or_horovod(start):
     server.wait_for(r"metrics at http://")
 
 
-def test_metrics_scraped(start):
-    server = start("--workers", "2", "--bind", "127.0.0.1:0", "--metrics-port", "0")
+def test_metrics_scraped(start, tmp_path):
+    (tmp_path / "token").write_text("s3cret\n")
+    server = start("--workers", "2", "--bind", "127.0.0.1:0", "--metrics-port", "0",
+                   "--token-file", str(tmp_path / "token"))
     port = int(server.wait_for(r"metrics at http://[^:]+:(\d+)/metrics").group(1))
     sizes = []
     for r in range(3):
-        indices, values, sent = client.run_round(server.address, 2, round=r)
+        indices, values, sent = client.run_round(server.address, 2, token="s3cret", round=r)
         sizes += sent
         want = client.expected(2)
         assert indices.tolist() == sorted(want)
         assert values.tolist() == [want[i] for i in sorted(want)]
     stale = client.encode_frame(client.Kind.PUSH, "t", 0, 1, 0, 0, client.NUMEL,
                                 *client.pairs(0))
-    with grpc.insecure_channel(server.address) as channel, \
-            pytest.raises(grpc.RpcError, match="stale"):
-        channel.unary_unary(GRPC_PUSH)(stale, timeout=30)  # rounds 0..2 are closed
+    with grpc.insecure_channel(server.address) as channel:
+        with pytest.raises(grpc.RpcError, match="stale"):  # rounds 0..2 are closed
+            channel.unary_unary(GRPC_PUSH)(stale, timeout=30,
+                                           metadata=token_metadata("s3cret"))
+        with pytest.raises(grpc.RpcError) as refused:  # refused before the body is read
+            channel.unary_unary(GRPC_PUSH)(stale, timeout=30)
+        assert refused.value.code() is grpc.StatusCode.UNAUTHENTICATED
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
         assert reply.headers["Content-Type"].startswith("text/plain")
         text = reply.read().decode()
@@ -93,6 +99,8 @@ def test_metrics_scraped(start):
     assert samples[("hvd_ps_pushes_total", (("outcome", "accepted"),))] == 6
     assert samples[("hvd_ps_rejected_requests_total",
                     (("method", "push"), ("reason", "stale_round")))] == 1
+    assert samples[("hvd_ps_rejected_requests_total",
+                    (("method", "any"), ("reason", "unauthenticated")))] == 1
     # bytes in: the 12 frames above plus the stale push that was refused
     assert samples[("hvd_ps_received_bytes_total", ())] == sum(sizes) + len(stale)
     assert samples[("hvd_ps_sent_bytes_total", ())] > 0
