@@ -15,6 +15,7 @@ from sklearn.datasets import load_digits
 from torch import nn
 
 from hvd_compress import Pipeline, Policy
+from hvd_compress.comm.base import Communicator
 from hvd_compress.comm.threads import ThreadGroup
 from hvd_compress.schemes.base import Scheme
 from tests.threaded import on_threads
@@ -67,11 +68,9 @@ def train(scheme: Scheme, make_optimizer: OptimizerFactory, steps: int = 300,
     ``r``-th shard of the training set); every rank's :class:`Run`. ``check``: first call
     ``scheme.check_optimizer`` as the optimizer wrapper does (its errors and warnings
     reach the caller); ``False`` runs a configuration the wrapper would refuse."""
-    x_train, y_train, x_test, y_test = digits()
     if check:
         scheme.check_optimizer(make_optimizer(list(make_model(seed).parameters())))
     group = ThreadGroup(size, timeout=120)
-    loss_fn = nn.CrossEntropyLoss()
     initial = make_model(seed).state_dict()  # the seed is global: not drawn on threads
 
     def work(rank: int) -> Run:
@@ -79,26 +78,57 @@ def train(scheme: Scheme, make_optimizer: OptimizerFactory, steps: int = 300,
         model.load_state_dict(initial)
         optimizer = make_optimizer(list(model.parameters()))
         pipeline = Pipeline(scheme, group.communicator(rank), policy or Policy(), seed=seed)
-        xs, ys = x_train[rank::size], y_train[rank::size]
-        order = torch.Generator().manual_seed(seed + 1 + rank)
         named = list(model.named_parameters())
-        run = Run(pipeline=pipeline)
-        for _ in range(steps):
-            idx = torch.randint(len(xs), (batch_size,), generator=order)
-            optimizer.zero_grad()
-            loss = loss_fn(model(xs[idx]), ys[idx])
-            loss.backward()
-            run.losses.append(loss.item())
+
+        def exchange() -> None:
             for name, p in named:
                 pipeline.submit(name, p.grad)
             pipeline.wait({name: p.grad for name, p in named})
-            optimizer.step()
-        with torch.no_grad():
-            run.accuracy = 100.0 * float((model(x_test).argmax(1) == y_test).float().mean())
-            run.params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        return run
+
+        return _loop(model, optimizer, exchange, rank, size, steps, batch_size, seed,
+                     Run(pipeline=pipeline))
 
     return on_threads(size, work)
+
+
+def train_exchanging(make_optimizer: Callable[[nn.Module, Communicator], torch.optim.Optimizer],
+                     steps: int = 300, size: int = 2, batch_size: int = 32, seed: int = 0
+                     ) -> list[tuple[Run, torch.optim.Optimizer]]:
+    """Like :func:`train` for an optimizer that exchanges gradients itself in ``step()``
+    (:class:`hvd_compress.torch.OneBitAdam`): ``make_optimizer(model, comm)`` gets each
+    rank's model and :class:`ThreadGroup` communicator. Each rank's run and optimizer."""
+    group = ThreadGroup(size, timeout=120)
+    initial = make_model(seed).state_dict()
+
+    def work(rank: int) -> tuple[Run, torch.optim.Optimizer]:
+        model = make_model(seed)
+        model.load_state_dict(initial)
+        optimizer = make_optimizer(model, group.communicator(rank))
+        return _loop(model, optimizer, lambda: None, rank, size, steps, batch_size, seed,
+                     Run()), optimizer
+
+    return on_threads(size, work)
+
+
+def _loop(model: nn.Module, optimizer: torch.optim.Optimizer, exchange: Callable[[], None],
+          rank: int, size: int, steps: int, batch_size: int, seed: int, run: Run) -> Run:
+    """``steps`` steps of rank ``rank`` on its shard: backward, ``exchange()``, step."""
+    x_train, y_train, x_test, y_test = digits()
+    loss_fn = nn.CrossEntropyLoss()
+    xs, ys = x_train[rank::size], y_train[rank::size]
+    order = torch.Generator().manual_seed(seed + 1 + rank)
+    for _ in range(steps):
+        idx = torch.randint(len(xs), (batch_size,), generator=order)
+        optimizer.zero_grad()
+        loss = loss_fn(model(xs[idx]), ys[idx])
+        loss.backward()
+        run.losses.append(loss.item())
+        exchange()
+        optimizer.step()
+    with torch.no_grad():
+        run.accuracy = 100.0 * float((model(x_test).argmax(1) == y_test).float().mean())
+        run.params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return run
 
 
 def sgd(lr: float = 0.1, momentum: float = 0.9) -> OptimizerFactory:
