@@ -96,7 +96,8 @@ PIP=("$PY" -m pip install -q --disable-pip-version-check)
 # 3a. The parameter server alone: the `server` extra, nothing that needs torch.
 if ((SERVER_ONLY)); then
   install_project server
-  log "native kernels: $("$PY" -W error::RuntimeWarning -m hvd_compress.native)"
+  lib="$(cd / && "$PY" -W error::RuntimeWarning -m hvd_compress.native)"  # fails if not built
+  log "native kernels: $lib"
   "$VENV/bin/hvd-ps-server" --version
   log "ready: $VENV/bin/hvd-ps-server"
   exit 0
@@ -160,7 +161,8 @@ fi
 EXTRAS="torch,grpc,mpi,server"; ((WITH_TF)) && EXTRAS="$EXTRAS,tensorflow"
 ((DEV)) && EXTRAS="$EXTRAS,test"
 install_project "$EXTRAS"
-log "native kernels: $("$PY" -W error::RuntimeWarning -m hvd_compress.native)"
+lib="$(cd / && "$PY" -W error::RuntimeWarning -m hvd_compress.native)"  # fails if not built
+log "native kernels: $lib"
 
 TF_CPP_MIN_LOG_LEVEL=3 "$VENV/bin/horovodrun" --check-build
 log "ready: source $VENV/bin/activate"
