@@ -39,6 +39,10 @@ from ps_server.store import RequestError
 
 log = logging.getLogger("ps_server")
 
+INLINE_PUSH_BYTES = 1 << 20
+"""Pushes up to this size are handled on the event loop itself (a hand-off to a thread
+costs more than decoding them); larger ones go to the ``threads`` pool."""
+
 _TOKEN_HELP = ("missing or wrong token: pass the server's token (--token-file or "
                "HVD_COMPRESS_PS_TOKEN) to the client")
 
@@ -183,6 +187,8 @@ async def _start(service: FrameHandler, bind: str, pull_timeout: float, token: s
 
     async def push(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         try:
+            if len(request) <= INLINE_PUSH_BYTES:
+                return service.push(request, context.peer())
             return await loop.run_in_executor(executor, service.push, request,
                                               context.peer())
         except RequestError as err:
