@@ -141,6 +141,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any port)")
     p.add_argument("--max-message-mb", type=int, default=256, metavar="MB",
                    help="largest gRPC message accepted or sent")
+    p.add_argument("--max-push-mb", type=float, metavar="MB", show_default="no limit",
+                   help="refuse a push when the open rounds' decoded pushes would hold more")
     p.add_argument("--max-shard-numel", type=int, default=1 << 28, show_default="2**28",
                    metavar="N", help="refuse tensors whose shard has more elements")
     p.add_argument("--threads", type=int, default=64,
@@ -155,6 +157,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--workers must be at least 1, got {args.workers}")
     if args.deadline <= 0:
         p.error(f"--deadline must be positive, got {args.deadline}")
+    if args.max_push_mb is not None and args.max_push_mb <= 0:
+        p.error(f"--max-push-mb must be positive, got {args.max_push_mb:g}")
     if args.idle_timeout <= args.deadline:
         p.error(f"--idle-timeout ({args.idle_timeout:g}) must exceed --deadline "
                 f"({args.deadline:g})")
@@ -217,7 +221,9 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level, stream=sys.stderr,
         format=f"%(asctime)s ps-server[{shard}/{shards}] %(levelname)s %(message)s")
     store = ShardStore(args.workers, shard, shards, args.mode, args.deadline,
-                       args.max_shard_numel, idle_timeout=args.idle_timeout)
+                       args.max_shard_numel, idle_timeout=args.idle_timeout,
+                       push_budget=None if args.max_push_mb is None else
+                       int(args.max_push_mb * 2**20))
     service = ShardService(store, args.checkpoint_dir, args.checkpoint_every,
                            args.checkpoint_fsync)
     try:

@@ -98,6 +98,12 @@ class ConflictingPush(RequestError):
     code = "ALREADY_EXISTS"
 
 
+class OverBudget(RequestError):
+    """Accepting the push would make the open rounds' pushes exceed the memory budget."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+
 class JobSizeMismatch(RequestError):
     """The client's job has a different number of workers than the server's --workers."""
 
@@ -162,6 +168,9 @@ class ShardStore:
     Finished rounds are queued for :meth:`pop_events`, which the server drains to count
     rounds, and with ``durable`` also for :meth:`take_changes` (see the module docstring).
     ``idle_timeout`` (seconds, None for never) expires tensors nobody used for that long.
+    ``push_budget`` (bytes, None for no limit) bounds the decoded pairs that the pushes of
+    open rounds hold together; a push that would exceed it is refused (``OverBudget``)
+    before it is held, unless it is the last of its round (the close frees them all).
     Functions in ``listeners`` are called with a tensor's name (lock held: they must only
     schedule work) whenever a pull of it may now have an answer.
     """
@@ -169,7 +178,7 @@ class ShardStore:
     def __init__(self, workers: int, shard: int, shards: int, mode: str = "union",
                  deadline: float = 120.0, max_numel: int = 1 << 28,
                  clock: Callable[[], float] = time.monotonic, durable: bool = False,
-                 idle_timeout: float | None = None) -> None:
+                 idle_timeout: float | None = None, push_budget: int | None = None) -> None:
         if workers < 1:
             raise ValueError(f"workers must be at least 1, got {workers}")
         if not 0 <= shard < shards:
@@ -184,6 +193,8 @@ class ShardStore:
         self.workers, self.shard, self.shards = workers, shard, shards
         self.mode, self.deadline, self.max_numel = mode, deadline, max_numel
         self.clock, self.durable, self.idle_timeout = clock, durable, idle_timeout
+        self.push_budget = push_budget
+        self.pending_bytes = 0  # decoded pairs held by the pushes of open rounds
         self.tensors: dict[str, TensorState] = {}
         self.closed_rounds = 0
         self.failed_rounds = 0
@@ -224,6 +235,8 @@ class ShardStore:
                     self._check_same(frame.tensor, state, r, w, digest, peer,
                                      state.digests[w], open_round=True)
                     return False
+                if len(state.pushed) + 1 < self.workers:  # a closing push frees at once
+                    self._check_budget(frame)
                 self._add(state, frame)
                 state.digests[w] = (digest, peer)
                 if len(state.pushed) == self.workers:
@@ -429,7 +442,17 @@ class ShardStore:
             raise RequestError(f"{frame.where()}: shard has {frame.numel} elements, but this "
                                f"tensor was registered with {state.numel}")
 
+    def _check_budget(self, frame: Frame) -> None:
+        size = frame.indices.nbytes + frame.values.nbytes
+        if self.push_budget is not None and self.pending_bytes + size > self.push_budget:
+            raise OverBudget(
+                f"{frame.where()}: holding this push ({size / 2**20:.1f} MB decoded) would "
+                f"make the open rounds' pushes {(self.pending_bytes + size) / 2**20:.1f} MB, "
+                f"over the server's budget of {self.push_budget / 2**20:.1f} MB "
+                "(--max-push-mb): raise it, use more shards, or push fewer pairs")
+
     def _add(self, state: TensorState, frame: Frame) -> None:
+        self.pending_bytes += frame.indices.nbytes + frame.values.nbytes
         state.pushed[frame.worker] = frame
         if state.opened is None:
             state.opened = self.clock()
@@ -478,7 +501,9 @@ class ShardStore:
                 if now - s.touched >= self.idle_timeout]
         freed: dict[str, list[int]] = {}
         for name in idle:
-            held = self.tensors.pop(name).nbytes()
+            state = self.tensors.pop(name)
+            held = state.nbytes()
+            self._release(state)
             session = freed.setdefault(name.split("/", 1)[0], [0, 0])
             session[0] += 1
             session[1] += held
@@ -520,11 +545,17 @@ class ShardStore:
     def _finish(self, tensor: str, state: TensorState, error: str | None) -> None:
         self.events.append((tensor, state.round, error))
         state.round += 1
-        state.pushed = {}
+        self._release(state)
         state.last_digests, state.digests = state.digests, {}
         state.opened = None
         if not self.durable:  # else pulls can answer only after mark_durable, which wakes
             self._notify(tensor)
+
+    def _release(self, state: TensorState) -> None:
+        """Drop the pushes of ``state``'s open round from the budget."""
+        self.pending_bytes -= sum(f.indices.nbytes + f.values.nbytes
+                                  for f in state.pushed.values())
+        state.pushed = {}
 
     def _notify(self, tensor: str) -> None:
         self._cond.notify_all()

@@ -11,6 +11,7 @@ from ps_server.service import ACCEPTED, DUPLICATE, ShardService
 from ps_server.store import (
     ConflictingPush,
     FutureRound,
+    OverBudget,
     RequestError,
     RoundFailed,
     ShardStore,
@@ -324,3 +325,29 @@ def test_a_stopped_server_reads_waiting_pushes_before_failing_the_round():
         service.tick()
     with pytest.raises(RoundFailed, match="worker 1 did not push within the 10 s deadline"):
         service.pull(pull(1), "t", 1.0)
+
+
+def test_a_pull_carrying_pairs_is_refused():
+    service, _ = make(workers=1)
+    service.push(push(0, 0, [1], [1.0]), "t")
+    carrying = encode_frame(Kind.PULL, "w", 0, 1, 0, 0, NUMEL, np.array([5]),
+                            np.array([9.0], np.float32))
+    with pytest.raises(RequestError, match="a pull carries no pairs, this one has 1"):
+        service.pull(carrying, "t", 1.0)
+    assert dense(service.pull(pull(0), "t", 1.0))[1] == 1.0
+
+
+def test_pushes_beyond_the_memory_budget_are_refused_before_being_held():
+    """Budget 30 KB: each push of 1,000 pairs holds 12 KB decoded (int64 + float32)."""
+    store = ShardStore(3, 0, 1, push_budget=30_000)
+    service = ShardService(store)
+    idx, val = np.arange(1000), np.ones(1000, np.float32)
+    for w in range(2):
+        service.push(push(w, 0, idx, val, tensor="a"), "t")
+    assert store.pending_bytes == 24_000
+    with pytest.raises(OverBudget, match=r"over the server's budget of 0.0 MB"):
+        service.push(push(0, 0, idx, val, tensor="b"), "t")
+    assert "b" not in store.tensors or not store.tensors["b"].pushed
+    service.push(push(2, 0, idx, val, tensor="a"), "t")  # closes round 0 of "a"
+    assert store.pending_bytes == 0
+    service.push(push(0, 0, idx, val, tensor="b"), "t")  # room again
