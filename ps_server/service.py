@@ -69,6 +69,8 @@ class ShardService:
         self._stopping = False
         self._writer: threading.Thread | None = None
         self._job_sizes_logged: set[tuple[str, int]] = set()
+        self._hosts: dict[tuple[str, int], str] = {}  # (session, worker) -> first host
+        self._expired_seen = 0
         if self.checkpoint is not None:
             store.durable = True
             self._writer = threading.Thread(target=self._write_loop, name="checkpoint",
@@ -146,6 +148,7 @@ class ShardService:
         self.metrics.inc("hvd_ps_requests_total", method="push", outcome=outcome)
         self.metrics.pushed(frame.tensor, frame.round, accepted)
         if accepted:
+            self._check_host(frame, peer)
             log.debug("push accepted: %s (%d pairs) from %s", frame.where(), frame.count, peer)
         else:
             log.info("retransmitted push ignored: %s from %s", frame.where(), peer)
@@ -180,9 +183,29 @@ class ShardService:
             "workers' pushes)"))
 
     def tick(self) -> None:
-        """Fail rounds past their deadline and write due checkpoints."""
+        """Fail rounds past their deadline, expire idle tensors (and the hosts bound to
+        their sessions), wake the checkpoint writer."""
         self.store.expire()
+        if self._hosts and self.store.expired_tensors != self._expired_seen:
+            self._expired_seen = self.store.expired_tensors
+            live = {name.split("/", 1)[0] for name in self.store.rounds()}
+            self._hosts = {key: host for key, host in self._hosts.items() if key[0] in live}
         self.after_requests()
+
+    def _check_host(self, frame: Frame, peer: str) -> None:
+        """Bind each (session, worker) to the host of its first accepted push; warn when
+        another host pushes as that worker. A host, not a connection: a client that
+        reconnects (new port) after a blip or a server restart is the same worker, while a
+        second process elsewhere with the same worker id is named at its first push (two
+        on one host differ in content, which :meth:`ShardStore.push` refuses)."""
+        host = peer.rpartition(":")[0] or peer
+        key = (frame.tensor.split("/", 1)[0], frame.worker)
+        first = self._hosts.setdefault(key, host)
+        if first != host:
+            log.warning("worker %d of session %r pushed from %s, but its first pushes came "
+                        "from %s: two ranks share this worker id, or the job moved (%s)",
+                        frame.worker, key[0], peer, first, frame.where())
+            self._hosts[key] = host
 
     def after_requests(self) -> None:
         """Count finished rounds and wake the checkpoint writer when there are any."""

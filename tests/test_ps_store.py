@@ -351,3 +351,14 @@ def test_pushes_beyond_the_memory_budget_are_refused_before_being_held():
     service.push(push(2, 0, idx, val, tensor="a"), "t")  # closes round 0 of "a"
     assert store.pending_bytes == 0
     service.push(push(0, 0, idx, val, tensor="b"), "t")  # room again
+
+
+def test_a_worker_id_pushing_from_another_host_is_logged(caplog):
+    service, _ = make(workers=1)
+    with caplog.at_level("WARNING", "ps_server"):
+        service.push(push(0, 0, [1], [1.0], tensor="s/a"), "ipv4:10.0.0.1:5000")
+        service.push(push(0, 1, [1], [1.0], tensor="s/a"), "ipv4:10.0.0.1:5001")  # reconnect
+        assert not caplog.records
+        service.push(push(0, 0, [1], [1.0], tensor="s/b"), "ipv4:10.0.0.2:6000")
+    assert "worker 0 of session 's' pushed from ipv4:10.0.0.2:6000, but its first pushes " \
+        "came from ipv4:10.0.0.1" in caplog.text
