@@ -41,8 +41,8 @@ Three choices differ from DeepSpeed's ``OnebitAdam``, each for a measured reason
 
 Measured on digits (2 ranks, lr 1e-3, 600 steps): sent as ``m`` (with the mask), training
 reached NaN 7 steps after ``freeze_step=100``; as ``m / d`` without the clip, NaN too,
-after 49 compressed steps at one of those freeze steps; with all three, 97.5-97.8% test accuracy for ``freeze_step`` 50, 100 and 200, as
-plain Adam's 97.5%.
+after 49 compressed steps at one of those freeze steps; with all three, 97.5-97.8% test
+accuracy for ``freeze_step`` 50, 100 and 200, as plain Adam's 97.5%.
 
 Bias corrections follow ``torch.optim.Adam`` (the second moment's is frozen with ``v``), so
 the update is continuous at ``freeze_step``; DeepSpeed's implementation drops them, which
