@@ -220,6 +220,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """The same, summed over all steps completed so far on this rank."""
         return CompressionStats.of(self._pipeline.total, self._completed_steps)
 
+    @property
+    def compression_feedback(self) -> dict[str, Any]:
+        """Per error-feedback tensor, the last step's compression error and residual norm
+        (:meth:`hvd_compress.feedback.ErrorFeedback.report`)."""
+        return self._pipeline.feedback.report()
+
     def log_compression_stats(self, to: Any, every: int = 100,
                               prefix: str = "hvd_compress") -> None:
         """After every ``every``-th step, send that step's :attr:`compression_stats` to
