@@ -126,3 +126,10 @@ def test_defaults_converge_or_say_why_not(spec: str, optimizer: str) -> None:
     assert max(run.losses) < 2 * run.losses[0], max(run.losses)
     assert run.accuracy > max(80.0, reference.accuracy - 15), (run.accuracy,
                                                                reference.accuracy)
+
+
+def test_auto_applies_its_schemes_check() -> None:
+    optimizer = torch.optim.SGD(_model_params(), lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError, match=r"Compression\.dgc applies momentum itself"):
+        Compression.auto(Compression.dgc()).check_optimizer(optimizer)
+    Compression.auto(Compression.topk()).check_optimizer(optimizer)

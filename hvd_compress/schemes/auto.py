@@ -208,6 +208,10 @@ class Auto(Scheme):
     def applies_to(self, shape: torch.Size) -> bool:
         return self.scheme.applies_to(shape)
 
+    def check_optimizer(self, optimizer: Any) -> None:
+        """The wrapped scheme's check (DGC refuses an optimizer with momentum)."""
+        self.scheme.check_optimizer(optimizer)
+
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "scheme": self.scheme.describe(), "fp16": self.fp16}
 
