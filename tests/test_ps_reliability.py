@@ -199,3 +199,49 @@ def test_unauthenticated_messages_are_refused_unread(start, tmp_path):
     assert grown < 50, grown
     server.wait_for(r"WARNING refused a call from ipv4:127\.0\.0\.1:\d+: missing or wrong "
                     "token")
+
+
+def test_a_corpus_of_mutated_frames_is_refused_and_changes_nothing(start):
+    """2,000 requests: valid frames with flipped bytes, truncated, extended, random bytes,
+    pushes sent to Pull and pulls to Push. None is accepted into a sum, the server keeps
+    serving, and the next round is exact."""
+    server = start("--workers", "2", "--deadline", "30")
+    rng = np.random.default_rng(7)
+    idx, val = np.array([3, 9, 40]), np.array([1.0, 2.0, 3.0], np.float32)
+    valid_push = encode_frame(Kind.PUSH, "fz", 0, 1, 0, 0, 100, idx, val)
+    valid_pull = encode_frame(Kind.PULL, "fz", 0, 1, 0, 0, 100)
+    codes: dict[str, int] = {}
+    with grpc.insecure_channel(server.address) as channel:
+        calls = {m: channel.unary_unary(f"/hvd_compress.ps.ParameterServer/{m}")
+                 for m in ("Push", "Pull")}
+        for i in range(2000):
+            base = valid_push if i % 2 else valid_pull
+            data = bytearray(base)
+            how = i % 5
+            if how == 0:
+                for at in rng.integers(0, len(data), rng.integers(1, 4)):
+                    data[at] ^= int(rng.integers(1, 256))
+            elif how == 1:
+                data = data[: int(rng.integers(0, len(data)))]
+            elif how == 2:
+                data += rng.bytes(int(rng.integers(1, 20)))
+            elif how == 3:
+                data = bytearray(rng.bytes(int(rng.integers(0, 200))))
+            method = ("Pull" if i % 2 else "Push") if how == 4 else ("Push" if i % 2 else "Pull")
+            try:
+                calls[method](bytes(data), timeout=5)
+                codes["OK"] = codes.get("OK", 0) + 1
+            except grpc.RpcError as err:
+                codes[err.code().name] = codes.get(err.code().name, 0) + 1
+    print(f"refusals by code: {codes}")
+    assert "OK" not in codes, codes  # nothing mutated passed as a valid request
+    assert codes.get("INVALID_ARGUMENT", 0) > 1000, codes
+    clients = [PSClient(server.address, w, timeout=30, workers=2) for w in range(2)]
+    with ThreadPoolExecutor(2) as pool:
+        jobs = [pool.submit(c.push_pull, "fz", 0, 100, torch.from_numpy(idx),
+                            torch.from_numpy(val * (w + 1))) for w, c in enumerate(clients)]
+        for job in jobs:
+            got_idx, got_val = job.result(timeout=60)
+            assert got_idx.tolist() == [3, 9, 40] and got_val.tolist() == [3.0, 6.0, 9.0]
+    for c in clients:
+        c.close()
