@@ -245,3 +245,15 @@ def test_a_corpus_of_mutated_frames_is_refused_and_changes_nothing(start):
             assert got_idx.tolist() == [3, 9, 40] and got_val.tolist() == [3.0, 6.0, 9.0]
     for c in clients:
         c.close()
+
+
+def test_an_abandoned_session_expires_on_a_live_server(start):
+    """A job that vanished mid-round: after --idle-timeout its tensors are freed and the
+    server says so."""
+    server = start("--workers", "2", "--deadline", "1", "--idle-timeout", "2")
+    client = PSClient(server.address, 0, workers=2, timeout=10)
+    client.start("gone/w", 0, 100, torch.tensor([1, 2]), torch.tensor([1.0, 2.0]))
+    server.wait_for(r"worker 1 did not push within the 1 s deadline", timeout=15)
+    server.wait_for(r"session 'gone' expired after 2 s idle: freed 1 tensor \(\d+ bytes\)",
+                    timeout=15)
+    client.close()
