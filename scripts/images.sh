@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build the Docker images with podman and smoke-test them through buildah.
-#   scripts/images.sh [server] [cpu] [gpu] [--no-test]      (default: server)
+#   scripts/images.sh [server] [cpu] [gpu] [--no-test] [--no-build]    (default: server)
 #     server  docker/Dockerfile.server -> hvd-compress/server:VERSION, then serves a round
 #             from the host to a server inside it, checks its health, stops it by SIGTERM
 #     cpu     docker/Dockerfile.cpu -> hvd-compress/cpu:VERSION (workers), with the
@@ -24,12 +24,14 @@ cd "$ROOT"
 CACHE="${HVD_COMPRESS_CACHE:-$HOME/.cache/hvd-compress}"
 VERSION="$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)"
 CA="${HVD_IMAGES_CA_BUNDLE:-/etc/ssl/certs/ca-certificates.crt}"
-TEST=1 TARGETS=()
+TEST=1 BUILD=1 TARGETS=()
 for arg in "$@"; do
   case "$arg" in
     server|cpu|gpu) TARGETS+=("$arg") ;;
     --no-test) TEST=0 ;;
-    *) echo "images.sh: unknown argument $arg (server, cpu, gpu, --no-test)" >&2; exit 2 ;;
+    --no-build) BUILD=0 ;;  # smoke-test the images already built
+    *) echo "images.sh: unknown argument $arg (server, cpu, gpu, --no-test, --no-build)" >&2
+       exit 2 ;;
   esac
 done
 ((${#TARGETS[@]})) || TARGETS=(server)
@@ -65,6 +67,7 @@ base_image() {  # print the base image to build on, making it locally if need be
 
 build() {  # build NAME DOCKERFILE [podman build options...]
   local name="$1" file="$2"; shift 2
+  ((BUILD)) || return 0
   local secret=()
   [ -s "$CA" ] && secret=(--secret "id=ca_bundle,src=$CA")
   log "building hvd-compress/$name:$VERSION from $file on $BASE_IMAGE"
@@ -154,10 +157,13 @@ test_cpu() {
   local c port
   c="$(buildah from -q "localhost/hvd-compress/cpu:$VERSION")"
   CONTAINERS+=("$c")
-  buildah run --isolation chroot --env TF_CPP_MIN_LOG_LEVEL=3 "$c" -- horovodrun --check-build
+  # Horovod's Gloo resolves the host name: without one in /etc/hosts, hvd.init() crashes.
+  buildah run --isolation chroot --hostname localhost --env TF_CPP_MIN_LOG_LEVEL=3 "$c" -- \
+    horovodrun --check-build
   port="$(free_port)"
   start_server "$port" 2
-  buildah run --isolation chroot --env OMP_NUM_THREADS=1 --env TF_CPP_MIN_LOG_LEVEL=3 "$c" -- \
+  buildah run --isolation chroot --hostname localhost --env OMP_NUM_THREADS=1 \
+    --env TF_CPP_MIN_LOG_LEVEL=3 "$c" -- \
     horovodrun -np 2 -H localhost:2 --gloo python examples/digits.py \
     --scheme topk:ratio=0.01 --ps "grpc://127.0.0.1:$port" --epochs 2
   stop_server
@@ -171,7 +177,7 @@ for target in "${TARGETS[@]}"; do
     server) build server docker/Dockerfile.server; ((TEST)) && test_server ;;
     cpu)
       podman image exists "localhost/hvd-compress/server:$VERSION" || build server docker/Dockerfile.server
-      stage_wheels
+      ((BUILD)) && stage_wheels
       build cpu docker/Dockerfile.cpu
       ((TEST)) && test_cpu ;;
     gpu) build gpu docker/Dockerfile.gpu ;;
