@@ -183,3 +183,48 @@ def test_server_token_file_problems_exit_2_without_traceback(tmp_path: Path) -> 
         assert "Traceback" not in done.stderr
         assert f"error: --token-file {path}" in done.stderr and problem in done.stderr, \
             done.stderr
+
+
+UNREACHED = """
+import socket, time
+import horovod.torch as hvd, torch
+from hvd_compress import Compression
+from hvd_compress.torch import DistributedOptimizer
+hvd.init()
+with socket.socket() as s:  # a port nothing listens on
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+model = torch.nn.Linear(64, 64)
+opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                           named_parameters=model.named_parameters(),
+                           compression=Compression.topk(ratio=0.01),
+                           ps=f"grpc://127.0.0.1:{port}", connect_timeout=0.5)
+model(torch.ones(2, 64)).sum().backward()
+started = time.monotonic()
+try:
+    opt.step()
+except Exception as exc:
+    print(f"FAILED {time.monotonic() - started:.2f} {port} {type(exc).__name__}: {exc}")
+"""
+
+
+def test_connect_timeout_of_the_optimizer_fails_a_server_never_reached_within_it() -> None:
+    """``connect_timeout=0.5``: the first step against a port nothing listens on fails
+    within seconds (not the 60 s of retries), naming the address."""
+    env = rank_env()
+    env.pop(PS_ENV, None)
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(UNREACHED)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=120)
+    line = next((x for x in done.stdout.splitlines() if x.startswith("FAILED")), None)
+    assert line is not None, done.stdout[-3000:] + done.stderr[-3000:]
+    _, elapsed, port, message = line.split(" ", 3)
+    assert float(elapsed) < 5, line
+    assert f"127.0.0.1:{port}" in message, line
+
+
+@pytest.mark.parametrize("value", [0, -1.0])
+def test_connect_timeout_must_be_positive(value: float) -> None:
+    model = torch.nn.Linear(4, 2)
+    with pytest.raises(ValueError, match="connect_timeout must be > 0"):
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), ps="grpc://h:1",
+                             connect_timeout=value)

@@ -83,7 +83,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                  compression: Scheme, backward_passes_per_step: int, op: int,
                  gradient_predivide_factor: float, sparse_as_dense: bool, policy: Policy | None,
                  seed: int, process_set: Any, ps: str | None,
-                 bucket_mb: float | None) -> None:
+                 bucket_mb: float | None, connect_timeout: float | None = None) -> None:
         super(self.__class__, self).__init__(params)
         if named_parameters is None:
             named_parameters = [(f"allreduce.noname.{i}.{j}", p)
@@ -113,7 +113,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if ps:
             session = hvd.broadcast_object(os.urandom(4).hex(), root_rank=0,
                                            process_set=comm.process_set)
-            comm = ParameterServerCommunicator(comm, connect(ps, comm.rank), session)
+            comm = ParameterServerCommunicator(
+                comm, connect(ps, comm.rank, connect_timeout=connect_timeout), session)
         self._pipeline = Pipeline(
             compression, comm, policy,
             average=(op == hvd.Average), prescale=gradient_predivide_factor, seed=seed,
@@ -284,6 +285,7 @@ def DistributedOptimizer(
     seed: int = 0,
     ps: str | None = None,
     bucket_mb: float | None = 64,
+    connect_timeout: float | None = None,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over all ranks and
     exchanged with ``compression``: a scheme of :class:`hvd_compress.Compression` (default
@@ -322,6 +324,10 @@ def DistributedOptimizer(
             Smaller buckets start communicating earlier in the backward pass; larger ones
             start fewer collectives. The default, 64, is Horovod's default fusion
             threshold. ``None`` or 0: one bucket, which starts once backward has finished.
+        connect_timeout: seconds to wait for a gRPC server that does not answer at all
+            before the step fails with a ``PSError`` naming it (default
+            ``$HVD_COMPRESS_PS_CONNECT_TIMEOUT``, else 10 s); failures after a server has
+            answered are retried for ``$HVD_COMPRESS_PS_RETRY_TIMEOUT`` (60 s).
 
     Horovod's explicit ``groups``/``num_groups`` are not supported (Horovod's tensor fusion
     still batches small all-reduces), nor is ``op=hvd.Adasum``: both raise ``ValueError``.
@@ -337,6 +343,8 @@ def DistributedOptimizer(
         raise ValueError("backward_passes_per_step must be > 0")
     if bucket_mb is not None and bucket_mb < 0:
         raise ValueError(f"bucket_mb must be >= 0 or None, got {bucket_mb}")
+    if connect_timeout is not None and not connect_timeout > 0:
+        raise ValueError(f"connect_timeout must be > 0 seconds or None, got {connect_timeout}")
     if groups is not None or num_groups:
         raise ValueError("groups/num_groups are not supported by hvd_compress's optimizer; "
                          "omit them (Horovod's tensor fusion still batches small tensors)")
@@ -345,7 +353,7 @@ def DistributedOptimizer(
                dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step,
                op, gradient_predivide_factor, sparse_as_dense, policy, seed, process_set, ps,
-               bucket_mb)
+               bucket_mb, connect_timeout)
 
 
 def init(ps: str | None = None, **kwargs: Any) -> None:
