@@ -453,10 +453,9 @@ class Pipeline:
         """Measure and decide ``Compression.auto``'s routes: collectives every rank runs
         at the same point (plan or the end of a step)."""
         assert self._auto is not None
-        auto = self._auto
-        self.auto_decision = auto.decide(
-            shapes, lambda shape: self.policy.compresses(auto.scheme, shape), self._run_now,
-            self.comm.rank, self.comm.size, device, link=link, current=current)
+        self.auto_decision = self._auto.decide(
+            shapes, self._auto_allowed, self._run_now, self.comm.rank, self.comm.size, device,
+            link=link, current=current)
         self._auto_shapes.update(shapes)
         self._auto_window.clear()
         self._routes.clear()
@@ -484,12 +483,16 @@ class Pipeline:
         self._auto_window.clear()
         agreed = self._run_now("hvdc.auto.recheck", AllReduce("recheck", local))
         measured = float(agreed.cpu()[0]) / self.comm.size
-        revised = auto.revise(decision, measured, dict(self._auto_shapes),
-                              lambda shape: self.policy.compresses(auto.scheme, shape),
+        revised = auto.revise(decision, measured, dict(self._auto_shapes), self._auto_allowed,
                               self._run_now, self.comm.rank, self.comm.size, device)
         if revised is not None:
             self.auto_decision = revised
             self._routes.clear()
+
+    def _auto_allowed(self, shape: torch.Size) -> bool:
+        """Whether the policy lets ``Compression.auto``'s scheme take a tensor of ``shape``."""
+        assert self._auto is not None
+        return self.policy.compresses(self._auto.scheme, shape)
 
     def _run_now(self, name: str, op: Collective) -> Any:
         """Start one collective and wait for it (``Compression.auto``'s measurements)."""
