@@ -57,8 +57,17 @@ def poll_until(ready: Callable[[], bool], longest_sleep: float = 5e-4) -> None:
         sleep = min(2 * sleep, longest_sleep)
 
 
+def job_size_mismatch(job: int, server: int) -> str:
+    """The error of a job of ``job`` workers meeting a server started with ``--workers
+    server`` (the same words on every transport and on both sides)."""
+    return (f"the job has {job} workers but this server was started with --workers "
+            f"{server}: restart the server with --workers {job}, or the job with {server} "
+            "workers")
+
+
 def split_world(world: Any, role: str, shard: int | None = None,
-                shards: int | None = None) -> tuple[Any, int, list[int], list[int]]:
+                shards: int | None = None, expected_workers: int | None = None
+                ) -> tuple[Any, int, list[int], list[int]]:
     """Collective over ``world``: split workers from servers and exchange who is who.
 
     Every rank calls it once (workers through
@@ -67,6 +76,11 @@ def split_world(world: Any, role: str, shard: int | None = None,
     the communicator of this rank's role (workers pass it to ``hvd.init(comm=sub)``), this
     rank's index in it (a worker's id; a server's default shard), the world rank of each
     shard's server in shard order, and the world rank of each worker in worker-id order.
+
+    A server passes its ``--workers`` as ``expected_workers``; the counts travel with the
+    roles, so when the world's worker ranks are not that many, every rank (workers and
+    servers alike) raises the same :class:`ValueError` naming both numbers, at once,
+    rather than the workers waiting for replies that never come.
     """
     if role not in ("worker", "server"):
         raise ValueError(f"role must be 'worker' or 'server', got {role!r}")
@@ -74,7 +88,8 @@ def split_world(world: Any, role: str, shard: int | None = None,
     if role == "server":
         shard = sub.Get_rank() if shard is None else shard
         shards = sub.Get_size() if shards is None else shards
-    roles = world.allgather((role, shard, shards))
+    gathered = world.allgather((role, shard, shards, expected_workers))
+    roles = [entry[:3] for entry in gathered]
     workers = [r for r, (who, _, _) in enumerate(roles) if who == "worker"]
     by_shard = {s: r for r, (who, s, _) in enumerate(roles) if who == "server"}
     counts = {n for who, _, n in roles if who == "server"}
@@ -84,4 +99,9 @@ def split_world(world: Any, role: str, shard: int | None = None,
                          f"got (role, shard, N) by world rank: {roles}")
     if not workers:
         raise ValueError("no worker ranks in the MPI world")
+    for rank, (who, s, _, expected) in enumerate(gathered):
+        if who == "server" and expected is not None and expected != len(workers):
+            raise ValueError(f"MPI server shard {s} (world rank {rank}): "
+                             + job_size_mismatch(len(workers), expected)
+                             + f" (worker ranks: {workers})")
     return sub, sub.Get_rank(), [by_shard[s] for s in sorted(by_shard)], workers

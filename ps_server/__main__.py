@@ -139,6 +139,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "this long; must exceed --deadline")
     p.add_argument("--metrics-port", type=int, metavar="PORT", show_default="off",
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any port)")
+    p.add_argument("--metrics-host", metavar="HOST", show_default="the --bind host",
+                   help="address the metrics endpoint listens on, e.g. 127.0.0.1 to keep it "
+                   "off the network the gRPC port faces")
+    p.add_argument("--metrics-hide-names", action="store_true",
+                   help="no tensor or session names in metric labels (hvd_ps_open_round "
+                   "then gives the lowest and highest open round, stat=min/max)")
     p.add_argument("--max-message-mb", type=int, default=256, metavar="MB",
                    help="largest gRPC message accepted or sent")
     p.add_argument("--max-push-mb", type=float, metavar="MB", show_default="no limit",
@@ -162,6 +168,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.idle_timeout <= args.deadline:
         p.error(f"--idle-timeout ({args.idle_timeout:g}) must exceed --deadline "
                 f"({args.deadline:g})")
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        p.error(f"--metrics-port must be in 0..65535, got {args.metrics_port}")
+    if args.metrics_port is None and (args.metrics_host is not None or
+                                      args.metrics_hide_names):
+        p.error("--metrics-host and --metrics-hide-names need --metrics-port")
     if args.checkpoint_every < 1:
         p.error(f"--checkpoint-every must be at least 1, got {args.checkpoint_every}")
     for option, path in (("--token-file", args.token_file), ("--tls-cert", args.tls_cert),
@@ -210,12 +221,13 @@ def main(argv: list[str] | None = None) -> int:
         from hvd_compress.ps_protocol import split_world
 
         world = MPI.COMM_WORLD
-        _, _, servers, workers = split_world(world, "server", shard, shards)
+        try:  # every rank learns of a wrong --workers here, and says so
+            _, _, servers, workers = split_world(world, "server", shard, shards,
+                                                 args.workers)
+        except ValueError as err:
+            raise SystemExit(f"hvd-ps-server: {err}") from None
         shard = servers.index(world.Get_rank())
         shards = len(servers)
-        if len(workers) != args.workers:
-            raise SystemExit(f"hvd-ps-server: --workers {args.workers} but the MPI world has "
-                             f"{len(workers)} worker ranks")
     shard, shards = (0, 1) if shard is None else (shard, shards)
     logging.basicConfig(
         level=args.log_level, stream=sys.stderr,
@@ -225,15 +237,22 @@ def main(argv: list[str] | None = None) -> int:
                        push_budget=None if args.max_push_mb is None else
                        int(args.max_push_mb * 2**20))
     service = ShardService(store, args.checkpoint_dir, args.checkpoint_every,
-                           args.checkpoint_fsync)
+                           args.checkpoint_fsync, hide_names=args.metrics_hide_names)
     try:
         service.restore()
     except ValueError as err:
         raise SystemExit(f"hvd-ps-server: {err}") from None
     host, port = args.bind
     if args.metrics_port is not None:
-        metrics_server = service.metrics.serve(host, args.metrics_port)
-        log.info("metrics at http://%s:%d/metrics", host, metrics_server.server_address[1])
+        metrics_host = args.metrics_host or host
+        try:
+            metrics_server = service.metrics.serve(metrics_host, args.metrics_port)
+        except OSError as err:
+            raise SystemExit(f"hvd-ps-server: cannot serve metrics on "
+                             f"{metrics_host}:{args.metrics_port}: {err}") from None
+        log.info("metrics at http://%s:%d/metrics%s", metrics_host,
+                 metrics_server.server_address[1],
+                 " (tensor and session names hidden)" if args.metrics_hide_names else "")
     desc = (f"{args.workers} workers, mode {args.mode}, deadline {args.deadline:g} s, "
             f"checkpoints {args.checkpoint_dir or 'off'}")
     if args.transport == "mpi":

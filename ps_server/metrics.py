@@ -2,7 +2,8 @@
 
 Every server has its own :class:`~prometheus_client.CollectorRegistry` (so several
 services in one process never mix their counts), served at ``GET /metrics`` on
-``--metrics-port`` by ``prometheus_client``'s HTTP server. Every sample carries the label
+``--metrics-port`` (on ``--metrics-host``, by default the gRPC ``--bind`` host) by
+``prometheus_client``'s HTTP server. Every sample carries the label
 ``shard="I/N"``. Exposed:
 
 ========================================  =========  ==========================================
@@ -18,7 +19,9 @@ name                                      type       what
 ``hvd_ps_checkpoints_total``              counter    checkpoints written
 ``hvd_ps_round_latency_seconds``          histogram  first accepted push of a round to its close
 ``hvd_ps_push_to_close_seconds``          histogram  each accepted push to its round's close
-``hvd_ps_open_round``                     gauge      the open round of each ``tensor``
+``hvd_ps_open_round``                     gauge      the open round of each ``tensor`` (with
+                                                     ``--metrics-hide-names``: ``stat="min"``
+                                                     and ``"max"`` over tensors, no names)
 ``hvd_ps_open_sessions``                  gauge      sessions holding state (tensor-name prefix)
 ``hvd_ps_held_bytes``                     gauge      bytes of arrays the store holds
 ========================================  =========  ==========================================

@@ -20,6 +20,7 @@ import threading
 import time
 from typing import NoReturn
 
+from hvd_compress.ps_protocol import job_size_mismatch
 from hvd_compress.sparse_wire import Frame, Kind, decode_frame
 from ps_server import checkpoint
 from ps_server.metrics import Metrics
@@ -46,15 +47,19 @@ class ShardService:
     ``checkpoint_dir`` turns on the journal writer (see the module docstring) and makes the
     store durable; ``fsync`` flushes each journal write to the disk. Call :meth:`restore`
     once before serving and :meth:`close` at the end (it writes a final snapshot).
+    ``hide_names`` keeps tensor and session names out of the metrics' labels (see
+    :meth:`_gauges`).
     """
 
     def __init__(self, store: ShardStore, checkpoint_dir: str | None = None,
-                 checkpoint_every: int = CHECKPOINT_EVERY, fsync: bool = False) -> None:
+                 checkpoint_every: int = CHECKPOINT_EVERY, fsync: bool = False,
+                 hide_names: bool = False) -> None:
         if checkpoint_every < 1:
             raise ValueError(f"checkpoint interval must be at least 1 round, got "
                              f"{checkpoint_every}")
         self.store = store
         self.every, self.fsync = checkpoint_every, fsync
+        self.hide_names = hide_names
         self.checkpoint = None if checkpoint_dir is None else checkpoint.path_for(
             checkpoint_dir, store.shard, store.shards)
         self.metrics = Metrics({"shard": f"{store.shard}/{store.shards}"}, self._gauges)
@@ -123,10 +128,7 @@ class ShardService:
         ``--workers`` (logged once per peer and size)."""
         if workers == self.store.workers:
             return
-        err = JobSizeMismatch(f"the job has {workers} workers but this server was started "
-                              f"with --workers {self.store.workers}: restart the server "
-                              f"with --workers {workers}, or the job with "
-                              f"{self.store.workers} workers")
+        err = JobSizeMismatch(job_size_mismatch(workers, self.store.workers))
         self.metrics.inc("hvd_ps_requests_total", method="any", outcome=err.code.lower())
         self.metrics.rejected("any", err)
         if (peer, workers) not in self._job_sizes_logged:
@@ -320,8 +322,16 @@ class ShardService:
         raise err
 
     def _gauges(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """Gauge samples at scrape time: the open round per tensor (or, with
+        ``hide_names``, the lowest and highest open round over tensors, so a stuck tensor
+        still shows as a gap without naming it), the sessions and the bytes held."""
         rounds = self.store.rounds()
-        return {**{("hvd_ps_open_round", (("tensor", name),)): float(r)
-                   for name, r in rounds.items()},
+        if self.hide_names:
+            per_tensor = {("hvd_ps_open_round", (("stat", stat),)): float(pick(rounds.values()))
+                          for stat, pick in (("min", min), ("max", max)) if rounds}
+        else:
+            per_tensor = {("hvd_ps_open_round", (("tensor", name),)): float(r)
+                          for name, r in rounds.items()}
+        return {**per_tensor,
                 ("hvd_ps_open_sessions", ()): float(len({n.split("/")[0] for n in rounds})),
                 ("hvd_ps_held_bytes", ()): float(self.store.held_bytes())}

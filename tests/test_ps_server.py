@@ -215,6 +215,45 @@ def test_metrics_endpoint(cluster):
     assert 'hvd_ps_requests_total{method="push",outcome="accepted",shard="0/2"}' in text
 
 
+def _scrape(host: str, port: int) -> str:
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as reply:
+        return reply.read().decode()
+
+
+def test_metrics_on_their_own_address_without_names(start):
+    """$HVD_PS_METRICS_HOST puts the endpoint on another loopback address than gRPC's, and
+    --metrics-hide-names leaves tensor and session names out of every label: the open
+    rounds appear as their lowest and highest value."""
+    server = start("--workers", "1", "--metrics-port", "0", "--metrics-hide-names",
+                   env={"HVD_PS_METRICS_HOST": "127.0.0.2"})
+    port = int(server.wait_for(r"metrics at http://127\.0\.0\.2:(\d+)/metrics \(tensor "
+                               r"and session names hidden\)").group(1))
+    client = PSClient(server.address, 0, timeout=20, workers=1)
+    for round in range(3):
+        client.push_pull("job-7f3a/secret.weight", round, 100, torch.tensor([5]),
+                         torch.tensor([1.0]))
+    client.push_pull("job-7f3a/other.bias", 0, 100, torch.tensor([5]), torch.tensor([1.0]))
+    client.close()
+    text = _scrape("127.0.0.2", port)
+    assert "job-7f3a" not in text and "secret.weight" not in text and "tensor=" not in text
+    assert 'hvd_ps_open_round{shard="0/1",stat="min"} 1.0' in text, text
+    assert 'hvd_ps_open_round{shard="0/1",stat="max"} 3.0' in text, text
+    assert 'hvd_ps_open_sessions{shard="0/1"} 1.0' in text
+    with pytest.raises(OSError):  # nothing on the gRPC address's host at that port
+        _scrape("127.0.0.1", port)
+
+
+def test_metrics_options_need_a_metrics_port():
+    from ps_server.__main__ import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--workers", "1", "--metrics-hide-names"])
+    args = parse_args(["--workers", "1", "--metrics-port", "9100", "--metrics-host",
+                       "10.0.0.5"])
+    assert (args.metrics_host, args.metrics_port, args.metrics_hide_names) == \
+        ("10.0.0.5", 9100, False)
+
+
 
 def test_topk_mode_returns_global_topk_with_residual(start):
     server = start("--workers", str(WORKERS), "--mode", "topk", "--deadline", "10")
