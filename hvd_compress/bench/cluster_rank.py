@@ -23,11 +23,13 @@ from __future__ import annotations
 import argparse
 import collections
 import faulthandler
+import gc
 import itertools
 import json
 import os
 import resource
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -371,7 +373,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.system == "ddp":
         import torch.distributed as dist
 
+        # Gloo's worker threads can still hold work objects of the DDP reducer and the
+        # comm hook; torn down during interpreter finalization they abort the process
+        # (SIGABRT, "terminate called without an active exception", seen once in CI).
+        # Free the models' work while Python is fully alive, destroy the group, and
+        # leave without finalization: the rows are written and every rank passed the
+        # barrier above.
+        rows.clear()
+        gc.collect()
         dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
