@@ -142,9 +142,16 @@ def test_training_steps_follow_the_routes_and_the_residual_follows_a_route_chang
     torch.testing.assert_close(applied, mean, rtol=1e-4, atol=1e-4)
 
 
-def test_a_recheck_that_finds_the_model_wrong_refits_the_link() -> None:
+def test_a_recheck_that_finds_the_model_wrong_refits_the_link(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """``revise``: a measurement 10x the prediction makes the link slower; one within the
-    tolerance changes nothing."""
+    tolerance changes nothing. The routes' costs depend on the shapes only: they are
+    priced again at the refitted link, not measured again."""
+
+    def measure_again(*args: object) -> RouteCost:
+        raise AssertionError("revise measured a route's compute again for unchanged shapes")
+
+    monkeypatch.setattr(auto_routes, "measure_route", measure_again)
     group = ThreadGroup(2)
     auto = Compression.auto(POWERSGD, tolerance=0.5)
     shapes = {"w": torch.Size([256, 256])}

@@ -221,10 +221,12 @@ class Auto(Scheme):
     # Deciding ---------------------------------------------------------------------------
     def decide(self, shapes: Mapping[str, torch.Size], allowed: Callable[[torch.Size], bool],
                run: Run, rank: int, size: int, device: torch.device,
-               link: LinkModel | None = None, current: Decision | None = None) -> Decision:
+               link: LinkModel | None = None, current: Decision | None = None,
+               costs: Mapping[str, dict[str, RouteCost]] | None = None) -> Decision:
         """Measure (the link unless ``link`` is given, and every route's compute for every
-        shape), agree with the other ranks and choose routes. Every rank must call it with
-        the same ``shapes``, in the same order relative to its other collectives.
+        shape unless ``costs``, already agreed by every rank, are given), agree with the
+        other ranks and choose routes. Every rank must call it with the same ``shapes``, in
+        the same order relative to its other collectives.
 
         With a ``current`` decision, a tensor leaves its route only for one predicted at
         least ``HYSTERESIS`` cheaper, so measurement noise does not flip routes back and
@@ -236,15 +238,16 @@ class Auto(Scheme):
                             {n: DENSE for n in names}, 0.0, 0.0, dict(shapes))
         if link is None:
             link = probe_link(run, size, device, self.probe_seconds)
-        measured: dict[str, dict[str, RouteCost]] = {}
-        for name in names:
-            shape = shapes[name]
-            measured[name] = {}
-            for route, scheme in candidates.items():
-                if route == SCHEME and not allowed(shape):
-                    continue
-                measured[name][route] = measure_route(scheme, shape, rank, size, device)
-        costs = _agree_costs(measured, names, run, size, device)
+        if costs is None:
+            measured: dict[str, dict[str, RouteCost]] = {}
+            for name in names:
+                shape = shapes[name]
+                measured[name] = {}
+                for route, scheme in candidates.items():
+                    if route == SCHEME and not allowed(shape):
+                        continue
+                    measured[name][route] = measure_route(scheme, shape, rank, size, device)
+            costs = _agree_costs(measured, names, run, size, device)
         plans = [{name: _cheapest(costs[name], link, without,
                                   current.routes.get(name) if current is not None else None)
                   for name in names} for without in ((), (HALF,), (SCHEME,), (HALF, SCHEME))]
@@ -281,8 +284,11 @@ class Auto(Scheme):
                      "link refitted to %.1f Mbit/s per rank", measured * 1e3, predicted * 1e3,
                      link.bandwidth * 8 / 1e6)
         before = dict(current.routes)
+        # What each route computes and sends depends on the shapes only, and was agreed
+        # by every rank: a changed link is a new price for the same routes.
+        same = dict(shapes) == current.shapes and set(current.costs) == set(shapes)
         decision = self.decide(shapes, allowed, run, rank, size, device, link=link,
-                               current=current)
+                               current=current, costs=current.costs if same else None)
         changed = sorted(n for n in decision.routes if before.get(n) != decision.routes[n])
         if rank == 0 and changed:
             log.info("Compression.auto: %d route(s) changed: %s", len(changed),
