@@ -281,6 +281,10 @@ def test_cluster_bench_quick_trains_every_system_on_emulated_hosts(tmp_path: Pat
     # counters (headers included) see at least that, and compressed runs far less.
     for system in ("ddp", "horovod", "horovod-mpi", "hvd-compress"):
         assert by[system, "none"]["tx_bytes_per_step"] >= dense_bytes
+        # What TCP carried for the processes, the packets' headers taken off: still the
+        # whole gradient, and less than the interface's bytes.
+        none = by[system, "none"]
+        assert dense_bytes <= none["tx_payload_bytes_per_step"] < none["tx_bytes_per_step"]
         if system in ("ddp", "hvd-compress"):
             powersgd = by[system, "powersgd:rank=4,start_iter=2"]
             assert powersgd["tx_bytes_per_step"] < dense_bytes / 3

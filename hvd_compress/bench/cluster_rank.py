@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hvd_compress.bench.hosts import interface_bytes
+from hvd_compress.bench.hosts import interface_counters
 
 MODELS: dict[str, tuple[int, ...]] = {
     "mlp": (1024, 4096, 2048, 1024),
@@ -216,12 +216,12 @@ def run_config(system: _System, widths: Sequence[int], config: dict[str, Any], s
     times: list[float] = []
     phases = {"forward": 0.0, "backward": 0.0, "step": 0.0}
     exchange: dict[str, float] = {}  # hvd-compress's own breakdown (StepStats.seconds)
-    tx0 = rx0 = 0
+    counters0 = interface_counters()
     cpu0 = 0.0
     for step in range(warmup + steps):
         if step == warmup:
             system.barrier(f"{config['scheme']}.{step}")
-            tx0, rx0 = interface_bytes()
+            counters0 = interface_counters()
             cpu0 = _cpu_seconds()
             phases = dict.fromkeys(phases, 0.0)
         x, y = batches[step % len(batches)]
@@ -242,7 +242,7 @@ def run_config(system: _System, widths: Sequence[int], config: dict[str, Any], s
             for part, spent in stats.seconds.items():
                 exchange[part] = exchange.get(part, 0.0) + spent
         progress(f"{config['scheme']} step {step + 1}/{warmup + steps} {times[-1]:.3f} s")
-    tx1, rx1 = interface_bytes()
+    sent = interface_counters() - counters0
     cpu = (_cpu_seconds() - cpu0) / steps
     timed = sorted(times[warmup:])
     agree = system.replicas_agree(model)
@@ -250,7 +250,9 @@ def run_config(system: _System, widths: Sequence[int], config: dict[str, Any], s
            "step_s": statistics.median(timed),
            "step_p90_s": timed[min(len(timed) - 1, round(0.9 * (len(timed) - 1)))],
            "step_times_s": times[warmup:],
-           "tx_bytes_per_step": (tx1 - tx0) / steps, "rx_bytes_per_step": (rx1 - rx0) / steps,
+           "tx_bytes_per_step": sent.tx_bytes / steps, "rx_bytes_per_step": sent.rx_bytes / steps,
+           "tx_packets_per_step": sent.tx_packets / steps,
+           "tx_payload_bytes_per_step": sent.tx_payload_bytes / steps,
            "cpu_s_per_step": cpu,
            "phases_s": {name: total / steps for name, total in phases.items()},
            "exchange_s": {part: total / steps for part, total in exchange.items()},
