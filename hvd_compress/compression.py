@@ -16,6 +16,7 @@ from hvd_compress.schemes.powersgd import PowerSGD
 from hvd_compress.schemes.qsgd import QSGD
 from hvd_compress.schemes.randomk import RandomK
 from hvd_compress.schemes.terngrad import TernGrad
+from hvd_compress.schemes.threshold import Threshold
 from hvd_compress.schemes.topk import TopK
 from hvd_compress.schemes.vote import MajorityVote
 
@@ -34,11 +35,12 @@ class Compression:
         Compression.powersgd(rank=4, start_iter=10, min_compression_rate=2, warm_start=True)
         Compression.topk(ratio=0.001, values='fp32')
         Compression.randomk(ratio=0.01)
+        Compression.threshold(tau=1e-3, max_ratio=0.1, values='fp32', loco_beta=0.0)
         Compression.dgc(ratio=0.001, momentum=0.9, clip_norm=None, warmup_steps=0,
                         sample_ratio=0.01, values='fp32')
         Compression.vote(momentum=0.0)   # signSGD / Signum with majority vote
 
-    Top-k and DGC pairs are summed by the parameter server given as the optimizer's
+    Top-k, threshold and DGC pairs are summed by the parameter server given as the optimizer's
     ``ps=`` (or by Horovod ``allgather`` without one); ``values='fp16'`` halves the
     values' bytes on the wire.
 
@@ -56,6 +58,7 @@ class Compression:
     powersgd = PowerSGD
     topk = TopK
     randomk = RandomK
+    threshold = Threshold
     dgc = DGC
     vote = MajorityVote
     auto = Auto
@@ -152,4 +155,4 @@ def _option_value(scheme: str, key: str, text: str, expected: Any, spec: str) ->
 
 
 SCHEME_NAMES = ("none", "fp16", "bf16", "onebit", "qsgd", "terngrad", "powersgd", "topk",
-                "randomk", "dgc", "vote", "auto")
+                "randomk", "threshold", "dgc", "vote", "auto")

@@ -17,6 +17,24 @@ tensor's residual norm exceeds ``growth`` times the largest it had during its fi
 ``window`` non-zero commits, :class:`ResidualGrowthWarning` names the tensor (once per
 tensor). ``warnings.simplefilter("error", ResidualGrowthWarning)`` turns it into an
 exception that stops the run.
+
+LoCo's compensator (Xie et al. 2024, "LoCo: Low-Bit Communication Adaptor for Large-scale
+Model Training", arXiv 2407.04480) is an option of the same memory, ``beta`` (the
+schemes' ``loco_beta=``). The rank still sends ``x = g + e`` and the compression error of
+this step is still ``x - sent``, but the residual becomes a moving average of those
+errors instead of the latest one::
+
+    e_new = beta * e + (1 - beta) * ((g + e) - sent)
+
+``beta = 0`` is the plain residual (the default, computed by the same code as before, bit
+for bit). With ``beta > 0`` the residual is a smoothed estimate of the error the compressor
+keeps making, which the paper finds steadier than the plain residual for low-bit
+compressors under Adam; the price is the exact accounting: ``sum_t sent_t + e_T`` no longer
+equals ``sum_t g_t`` (a fraction ``beta`` of each step's error is carried and
+``1 - beta`` of it replaced, so each error is applied with weight ``1 - beta`` until the
+next errors overwrite it). DeepSpeed's implementation uses ``beta = 0.8`` (its
+``err_beta``); the paper also stores the residual in 8 bits and resets it periodically,
+neither of which is done here (it is kept in float32 and never reset).
 """
 
 from __future__ import annotations
@@ -28,7 +46,28 @@ from typing import Any
 
 import torch
 
-from hvd_compress.schemes.base import Dense, subtract
+from hvd_compress.schemes.base import Dense, Scattered, subtract
+
+
+def check_loco_beta(scheme: str, beta: float) -> float:
+    """``beta`` as a float if it is a valid LoCo weight, ``0 <= beta < 1``; otherwise a
+    ``ValueError`` naming ``scheme``."""
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta < 1:
+        raise ValueError(f"{scheme}: loco_beta must be a number in [0, 1) (0: the plain "
+                         f"residual; LoCo's moving average otherwise, e.g. 0.8), got "
+                         f"{beta!r}")
+    return float(beta)
+
+
+def density_of(sent: Dense | None, numel: int) -> float:
+    """The fraction of a tensor's ``numel`` entries a contribution ``sent`` carries: ``k /
+    n`` for ``k`` pairs (:class:`Scattered`, sparse schemes), 1 for a dense or low-rank one
+    or for a tensor sent exactly (``None``), and 0 for an empty tensor."""
+    if not numel:
+        return 0.0
+    if isinstance(sent, Scattered):
+        return sent.indices.numel() / numel
+    return 1.0
 
 
 class ResidualGrowthWarning(UserWarning):
@@ -43,13 +82,19 @@ class FeedbackStats:
     sent); ``residual_norm``: ``||e_new||``; ``compression_error``: ``residual_norm /
     input_norm``, i.e. ``||sent - (g + e)|| / ||g + e||`` (0 when the input was 0);
     ``reference``: the largest residual norm of the first ``window`` non-zero commits (the
-    yardstick of the growth warning); ``growth``: ``residual_norm / reference``."""
+    yardstick of the growth warning); ``growth``: ``residual_norm / reference``;
+    ``density``: the fraction of the tensor's entries this rank sent at that step
+    (:func:`density_of`: the pairs' share for sparse schemes, whose density a threshold
+    makes vary from step to step; 1 for the dense and low-rank ones). With LoCo
+    (``beta > 0``) ``compression_error`` is still that of the step, ``||(g + e) - sent|| /
+    ||g + e||``, while ``residual_norm`` is the averaged residual's."""
 
     steps: int
     input_norm: float
     residual_norm: float
     compression_error: float
     reference: float
+    density: float = 1.0
 
     @property
     def growth(self) -> float:
@@ -77,15 +122,19 @@ class ErrorFeedback:
         window: commits with a non-zero residual that set the reference. Default 20, long
             enough for the residual to fill up (it starts at zero) and short enough to be
             over before a divergence takes hold.
+        beta: LoCo's moving-average weight on the old residual (module docstring), in
+            ``[0, 1)``. Default 0: the plain residual ``e <- (g + e) - sent``.
     """
 
-    def __init__(self, growth: float | None = 30.0, window: int = 20) -> None:
+    def __init__(self, growth: float | None = 30.0, window: int = 20,
+                 beta: float = 0.0) -> None:
         if growth is not None and not growth > 1:
             raise ValueError(f"error feedback: growth must be > 1 or None, got {growth}")
         if window < 1:
             raise ValueError(f"error feedback: window must be >= 1, got {window}")
         self.growth = growth
         self.window = window
+        self.beta = check_loco_beta("error feedback", beta)
         self._residuals: dict[str, torch.Tensor] = {}
         self._spares: dict[str, torch.Tensor] = {}
         self._stats: dict[str, FeedbackStats] = {}
@@ -105,32 +154,47 @@ class ErrorFeedback:
             return out.copy_(grad)
         return torch.add(grad, residual.to(grad.device), out=out)
 
+    @classmethod
+    def for_scheme(cls, scheme: object) -> ErrorFeedback:
+        """The memory a scheme asks for: LoCo's moving average with the scheme's
+        ``loco_beta`` if it has a non-zero one, the plain residual otherwise."""
+        return cls(beta=getattr(scheme, "loco_beta", 0.0) or 0.0)
+
     def commit_sent(self, name: str, compensated: torch.Tensor, sent: Dense | None) -> None:
-        """Keep ``compensated - sent`` as the residual, computed in place in
-        ``compensated`` (the buffer :meth:`compensate` returned); ``sent=None``: nothing was
-        lost, the tensor has no residual."""
+        """Keep ``compensated - sent`` as the residual (with LoCo, its moving average with
+        the old residual), computed in place in ``compensated`` (the buffer
+        :meth:`compensate` returned); ``sent=None``: nothing was lost, the tensor has no
+        residual."""
         old = self._residuals.pop(name, None)
         input_norm = float(torch.linalg.vector_norm(compensated))
+        density = density_of(sent, compensated.numel())
         if sent is None:
             self._spares[name] = compensated
-            residual_norm = 0.0
+            residual_norm = error_norm = 0.0
         else:
-            self._residuals[name] = subtract(compensated, sent)
-            residual_norm = float(torch.linalg.vector_norm(self._residuals[name]))
+            residual = subtract(compensated, sent)
+            residual_norm = error_norm = float(torch.linalg.vector_norm(residual))
+            if self.beta:  # e_new = beta * e + (1 - beta) * ((g + e) - sent), in place
+                residual.mul_(1 - self.beta)
+                if old is not None:  # (no old residual: e = 0)
+                    residual.add_(old.to(residual.device), alpha=self.beta)
+                residual_norm = float(torch.linalg.vector_norm(residual))
+            self._residuals[name] = residual
         if old is not None and old.shape == compensated.shape:
             self._spares.setdefault(name, old)
-        self._observe(name, input_norm, residual_norm)
+        self._observe(name, input_norm, residual_norm, error_norm, density)
 
-    def _observe(self, name: str, input_norm: float, residual_norm: float) -> None:
+    def _observe(self, name: str, input_norm: float, residual_norm: float,
+                 error_norm: float, density: float = 1.0) -> None:
         previous = self._stats.get(name)
         reference = previous.reference if previous is not None else 0.0
         early = self._early.get(name, 0)
         if early < self.window and residual_norm > 0 and math.isfinite(residual_norm):
             reference = max(reference, residual_norm)
             self._early[name] = early + 1
-        error = residual_norm / input_norm if input_norm > 0 else 0.0
+        error = error_norm / input_norm if input_norm > 0 else 0.0
         stats = FeedbackStats((previous.steps if previous else 0) + 1, input_norm,
-                              residual_norm, error, reference)
+                              residual_norm, error, reference, density)
         self._stats[name] = stats
         if (self.growth is not None and name not in self._warned
                 and self._early.get(name, 0) >= self.window

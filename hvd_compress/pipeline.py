@@ -384,7 +384,7 @@ class Pipeline:
         self.prescale = prescale
         self.seed = seed
         self.bucket_bytes = bucket_bytes or None
-        self.feedback = ErrorFeedback()
+        self.feedback = ErrorFeedback.for_scheme(scheme)
         self._scheme_state: dict[str, dict[str, torch.Tensor]] = {}
         self._steps: dict[str, int] = defaultdict(int)
         self._routes: dict[tuple[str, torch.Size], Scheme] = {}
