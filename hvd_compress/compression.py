@@ -155,4 +155,4 @@ def _option_value(scheme: str, key: str, text: str, expected: Any, spec: str) ->
 
 
 SCHEME_NAMES = ("none", "fp16", "bf16", "onebit", "qsgd", "terngrad", "powersgd", "topk",
-                "randomk", "threshold", "dgc", "vote", "auto")
+                "randomk", "dgc", "vote", "threshold", "auto")
