@@ -257,3 +257,26 @@ def test_an_abandoned_session_expires_on_a_live_server(start):
     server.wait_for(r"session 'gone' expired after 2 s idle: freed 1 tensor \(\d+ bytes\)",
                     timeout=15)
     client.close()
+
+
+def test_a_plaintext_client_of_a_tls_server_is_told_at_once(start, tmp_path):
+    """Found by the campaign (``bench.reliability security``): a grpc:// client of a TLS
+    server retried for its whole connect_timeout, then said nothing answered. Now the
+    first failure is recognised (TCP accepted, no HTTP/2 answer) and named, even with a
+    connect_timeout longer than the test's own timeout."""
+    from hvd_compress.bench.reliability import self_signed
+
+    key, cert = self_signed(tmp_path, "server")
+    server = start("--workers", "1", "--tls-cert", str(cert), "--tls-key", str(key))
+    plain = PSClient(server.address, 0, connect_timeout=3600, timeout=30)
+    with pytest.raises(PSError, match=r"UNAVAILABLE: a server accepts connections at this "
+                       r"address but closes plaintext gRPC connections: it probably serves "
+                       r"TLS \(started with --tls-cert\), so reach it with grpcs://"):
+        plain.push_pull("tls", 0, 10, torch.tensor([1]), torch.tensor([1.0]))
+    plain.close()
+    # A plaintext server is not mistaken for one: the same client shape works against it.
+    other = start("--workers", "1")
+    ok = PSClient(other.address, 0, connect_timeout=3600, timeout=30, workers=1)
+    assert ok.push_pull("tls", 0, 10, torch.tensor([1]), torch.tensor([2.0]))[1].tolist() \
+        == [2.0]
+    ok.close()

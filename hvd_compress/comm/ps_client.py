@@ -325,8 +325,9 @@ class PSClient(_ShardedClient):
         if tls_server_name:
             options.append(("grpc.ssl_target_name_override", tls_server_name))
         self._channels = []
+        self._tls = tls or root_certificates is not None
         for address in self.addresses:
-            if tls or root_certificates is not None:
+            if self._tls:
                 creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
                 self._channels.append(grpc.secure_channel(address, creds, options=options))
             else:
@@ -389,6 +390,10 @@ class PSClient(_ShardedClient):
                 waited = time.monotonic() - start
                 limit = self.retry_timeout if self._reached[shard] else self.connect_timeout
                 tls = _tls_failure(detail)
+                if code is grpc.StatusCode.UNAVAILABLE and not self._reached[shard] and \
+                        not self._tls and _plain_to_tls(detail, self.addresses[shard]):
+                    raise self._error(tensor, round, shard, code.name, _PLAIN_TO_TLS
+                                      + detail) from None
                 if code.name in RETRYABLE and not tls and waited + delay < limit:
                     log.warning("parameter server shard %d (%s): %s (%s); retrying tensor %r "
                                 "round %d in %.2f s", shard, self.addresses[shard], code.name,
@@ -443,6 +448,33 @@ def _tls_failure(detail: str) -> bool:
     the certificate or the server name is wrong)."""
     text = detail.lower()
     return any(word in text for word in ("handshake", "ssl", "certificate"))
+
+
+_PLAIN_TO_TLS = ("a server accepts connections at this address but closes plaintext gRPC "
+                 "connections: it probably serves TLS (started with --tls-cert), so reach it "
+                 "with grpcs:// and root_certificates: ")
+
+
+def _plain_to_tls(detail: str, address: str, timeout: float = 2.0) -> bool:
+    """Whether a plaintext client's failure to reach ``address`` is a TLS server hanging
+    up on it: gRPC says the socket was closed (a TCP connection was accepted, then
+    dropped), and a TCP connection there opens but, sent an HTTP/2 preface, does not
+    answer with the SETTINGS frame a plaintext gRPC server sends (a TLS server closes it
+    or answers a TLS alert). Only asked for a server this client never reached, so a
+    server that restarts (refused connections) is still retried."""
+    import socket
+
+    if "socket closed" not in detail.lower():
+        return False
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout) as sock:
+            sock.settimeout(timeout)
+            sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+            reply = sock.recv(9)  # an HTTP/2 frame header: type (byte 3) 4 is SETTINGS
+            return not (len(reply) >= 4 and reply[3] == 4)
+    except OSError:
+        return False
 
 
 class MPIPSClient(_ShardedClient):
