@@ -11,9 +11,10 @@ import horovod.torch as _horovod
 from hvd_compress.mpmd import guard as _guard
 from hvd_compress.torch.broadcast import broadcast_parameters
 from hvd_compress.torch.onebit_adam import OneBitAdam
+from hvd_compress.torch.onebit_lamb import OneBitLamb
 from hvd_compress.torch.optimizer import DistributedOptimizer, broadcast_optimizer_state, init
 
 _guard(_horovod, "hvd_compress.torch")
 
-__all__ = ["DistributedOptimizer", "OneBitAdam", "broadcast_optimizer_state",
+__all__ = ["DistributedOptimizer", "OneBitAdam", "OneBitLamb", "broadcast_optimizer_state",
            "broadcast_parameters", "init"]

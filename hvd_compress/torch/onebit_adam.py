@@ -50,7 +50,9 @@ makes no difference once ``freeze_step`` is large. Weight decay is Adam's (added
 gradient), as in the warm-up. DeepSpeed's default ``freeze_step`` is 100000; the paper
 freezes after about 15-25% of the training steps (BERT pre-training: 23K of 152K).
 
-The exchange happens in :meth:`step` (gradients are not sent from backward hooks): call
+The two stages, the exchange and the state dict are :class:`OneBitMomentum`'s, which
+:class:`~hvd_compress.torch.OneBitLamb` shares (only the update differs). The exchange
+happens in :meth:`step` (gradients are not sent from backward hooks): call
 ``loss.backward()`` then ``optimizer.step()`` as with any optimizer, on every rank, with
 the same parameters in the same order. ``state_dict()`` holds Adam's state plus the
 compression state (both residuals, step counters), so a checkpoint taken mid-compression
@@ -59,7 +61,7 @@ resumes to the same next step.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -73,7 +75,184 @@ from hvd_compress.schemes.base import Scheme
 STATE_KEY = "hvd_compress_onebit_adam"
 
 
-class OneBitAdam(torch.optim.Adam):
+class OneBitMomentum(torch.optim.Optimizer):
+    """What 1-bit Adam and 1-bit LAMB share: a warm-up on gradients averaged by an
+    uncompressed all-reduce, then a frozen variance and the momentum exchanged in the
+    frozen preconditioner's units by 1-bit compression with error feedback on both sides
+    (the module docstring), plus naming, statistics and the state dict.
+
+    A subclass puts itself before its base optimizer (``class OneBitAdam(OneBitMomentum,
+    torch.optim.Adam)``), calls :meth:`_setup` after the base's ``__init__``, and gives
+    :meth:`_warmup_update` (one step of the plain optimizer on the averaged gradients) and
+    :meth:`_apply_momentum` (the update from the averaged momentum). Its parameter groups
+    hold Adam's ``betas``, ``eps`` and ``weight_decay``; its state Adam's ``step``,
+    ``exp_avg`` and ``exp_avg_sq``.
+    """
+
+    state_key = STATE_KEY
+    decay_in_gradient = True
+    """Weight decay added to the gradient before the momentum (Adam's L2), or not (LAMB
+    adds it to the update)."""
+
+    def _setup(self, freeze_step: int, named_parameters: Iterable[tuple[str, torch.Tensor]]
+               | None, compression: Scheme | None, policy: Policy | None,
+               comm: Communicator | None, seed: int) -> None:
+        label = type(self).__name__
+        compression = compression if compression is not None else Compression.onebit()
+        if not compression.error_feedback:
+            raise ValueError(f"{label} needs a compression scheme with error feedback "
+                             f"(Compression.onebit()), got {compression!r}")
+        self.freeze_step = freeze_step
+        self._names = self._name_parameters(named_parameters)
+        if comm is None:
+            from hvd_compress.comm.horovod_torch import HorovodTorchCommunicator
+
+            comm = HorovodTorchCommunicator()
+        self._warmup = Pipeline(Compression.none, comm, policy, average=True, seed=seed)
+        self._compressed = Pipeline(compression, comm, policy, average=True, seed=seed)
+        self.global_step = 0
+
+    @staticmethod
+    def _check_freeze_step(freeze_step: int) -> None:
+        if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) \
+                or freeze_step < 0:
+            raise ValueError(f"freeze_step must be an integer >= 0, got {freeze_step!r}")
+
+    def _name_parameters(self, named: Iterable[tuple[str, torch.Tensor]] | None
+                         ) -> dict[torch.Tensor, str]:
+        label = type(self).__name__
+        params = [p for group in self.param_groups for p in group["params"]]
+        if named is None:
+            prefix = self.state_key.removeprefix("hvd_compress_")
+            return {p: f"{prefix}.{i}.{j}" for i, group in enumerate(self.param_groups)
+                    for j, p in enumerate(group["params"])}
+        names: dict[torch.Tensor, str] = {}
+        for name, p in named:
+            if name in names.values():
+                raise ValueError(f"{label}: parameter name {name!r} is given twice")
+            names[p] = name
+        missing = [tuple(p.shape) for p in params if p not in names]
+        if missing:
+            raise ValueError(f"{label}: named_parameters lacks {len(missing)} optimised "
+                             f"parameter(s) (shapes {missing})")
+        return names
+
+    @property
+    def frozen(self) -> bool:
+        """Whether the next step compresses (the warm-up is over)."""
+        return self.global_step >= self.freeze_step
+
+    @property
+    def compression_stats(self) -> Any:
+        """Bytes of the last step (:class:`~hvd_compress.pipeline.StepStats`): the
+        uncompressed all-reduce's in the warm-up, the compressed momentum's after."""
+        return (self._compressed if self.global_step > self.freeze_step
+                else self._warmup).last_step
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        params = [p for group in self.param_groups for p in group["params"]
+                  if p.requires_grad]
+        for p in params:
+            if p.grad is None:  # another rank may have one: exchange zeros
+                p.grad = torch.zeros_like(p)
+            if p.grad.is_sparse:
+                raise TypeError(f"{type(self).__name__}: parameter {self._names[p]!r} has "
+                                "a sparse gradient; it needs dense gradients")
+        if not self.frozen:
+            names = {self._names[p]: p for p in params}
+            for name, p in names.items():
+                self._warmup.submit(name, p.grad)
+            self._warmup.wait({name: p.grad for name, p in names.items()})
+            self._warmup_update()
+        else:
+            self._compressed_step()
+        self.global_step += 1
+        return loss
+
+    def _warmup_update(self) -> None:
+        """One step of the plain optimizer; the gradients are already averaged."""
+        raise NotImplementedError
+
+    def _trained(self) -> Iterator[tuple[dict[str, Any], torch.Tensor, dict[str, Any]]]:
+        """(group, parameter, its state) of every parameter that requires a gradient, in
+        group order: the same order on every rank."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    yield group, p, self.state[p]
+
+    def _apply_momentum(self, p: torch.Tensor, u: torch.Tensor, state: dict[str, Any],
+                        group: dict[str, Any], denom: torch.Tensor) -> None:
+        """Update ``p`` and its ``state`` from ``u``, the averaged momentum in the frozen
+        preconditioner's units (``m = u * denom``; ``state["exp_avg"]`` still holds the
+        previous momentum and ``state["step"]`` the previous count)."""
+        raise NotImplementedError
+
+    def _compressed_step(self) -> None:
+        local: dict[str, torch.Tensor] = {}
+        owners: dict[str, tuple[torch.Tensor, dict[str, Any], dict[str, Any],
+                                torch.Tensor]] = {}
+        for group, p, state in self._trained():
+            beta1, beta2 = group["betas"]
+            if "exp_avg_sq" not in state:
+                raise RuntimeError(
+                    f"{type(self).__name__}: parameter {self._names[p]!r} has no second "
+                    "moment to freeze (freeze_step=0, or it never had a gradient in the "
+                    "warm-up); use freeze_step >= 1")
+            # The steps behind the frozen variance: its bias correction stays there.
+            frozen_at = state.setdefault("frozen_at", float(state["step"]))
+            denom = (state["exp_avg_sq"] / (1 - beta2 ** frozen_at)).sqrt_()
+            denom.add_(group["eps"])
+            grad = p.grad
+            if group["weight_decay"] and self.decay_in_gradient:
+                grad = grad.add(p, alpha=group["weight_decay"])
+            name = self._names[p]
+            m = state["exp_avg"].mul(beta1).add_(grad, alpha=1 - beta1)
+            # In the frozen preconditioner's units, within Adam's own step bound.
+            bound = max(1.0, (1 - beta1) / (1 - beta2) ** 0.5)
+            local[name] = m.div_(denom).clamp_(-bound, bound)
+            owners[name] = (p, state, group, denom)
+        for name, u in local.items():
+            self._compressed.submit(name, u)
+        averaged = self._compressed.wait(local)  # written into the local tensors
+        for name, u in averaged.items():
+            p, state, group, denom = owners[name]
+            if not bool(state["exp_avg_sq"].all()):
+                # Never a gradient in the warm-up: 1-bit codes still give these elements
+                # +-scale; they stay put, as Adam would leave them.
+                u.masked_fill_(state["exp_avg_sq"] == 0, 0.0)
+            self._apply_momentum(p, u, state, group, denom)
+
+    # State ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The base optimizer's state plus the step count and the compressed exchange's
+        state (worker and reducing-side residuals, step counters)."""
+        state = super().state_dict()
+        state[self.state_key] = {"global_step": self.global_step,
+                                 "freeze_step": self.freeze_step,
+                                 "compression": self._compressed.state_dict()}
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        extra = state_dict.pop(self.state_key, None)
+        if extra is not None and extra["freeze_step"] != self.freeze_step:
+            raise ValueError(f"{type(self).__name__}: the checkpoint was saved with "
+                             f"freeze_step={extra['freeze_step']} but this optimizer has "
+                             f"freeze_step={self.freeze_step}; construct it with the same "
+                             "freeze_step")
+        super().load_state_dict(state_dict)
+        if extra is not None:
+            self._compressed.load_state_dict(extra["compression"])
+            self.global_step = int(extra["global_step"])
+
+
+class OneBitAdam(OneBitMomentum, torch.optim.Adam):
     """Adam with 1-bit compressed momentum after a warm-up (see the module docstring).
 
     Args:
@@ -107,137 +286,16 @@ class OneBitAdam(torch.optim.Adam):
             if adam_options.get(option):
                 raise ValueError(f"OneBitAdam does not support {option}=True: its frozen "
                                  "variance and compressed momentum replace Adam's own update")
-        if not isinstance(freeze_step, int) or freeze_step < 0:
-            raise ValueError(f"freeze_step must be an integer >= 0, got {freeze_step!r}")
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                         **adam_options)
-        compression = compression if compression is not None else Compression.onebit()
-        if not compression.error_feedback:
-            raise ValueError(f"OneBitAdam needs a compression scheme with error feedback "
-                             f"(Compression.onebit()), got {compression!r}")
-        self.freeze_step = freeze_step
-        self._names = self._name_parameters(named_parameters)
-        if comm is None:
-            from hvd_compress.comm.horovod_torch import HorovodTorchCommunicator
+        self._check_freeze_step(freeze_step)
+        torch.optim.Adam.__init__(self, params, lr=lr, betas=betas, eps=eps,
+                                  weight_decay=weight_decay, **adam_options)
+        self._setup(freeze_step, named_parameters, compression, policy, comm, seed)
 
-            comm = HorovodTorchCommunicator()
-        self._warmup = Pipeline(Compression.none, comm, policy, average=True, seed=seed)
-        self._compressed = Pipeline(compression, comm, policy, average=True, seed=seed)
-        self.global_step = 0
+    def _warmup_update(self) -> None:
+        torch.optim.Adam.step(self)
 
-    def _name_parameters(self, named: Iterable[tuple[str, torch.Tensor]] | None
-                         ) -> dict[torch.Tensor, str]:
-        params = [p for group in self.param_groups for p in group["params"]]
-        if named is None:
-            return {p: f"onebit_adam.{i}.{j}" for i, group in enumerate(self.param_groups)
-                    for j, p in enumerate(group["params"])}
-        names: dict[torch.Tensor, str] = {}
-        for name, p in named:
-            if name in names.values():
-                raise ValueError(f"OneBitAdam: parameter name {name!r} is given twice")
-            names[p] = name
-        missing = [tuple(p.shape) for p in params if p not in names]
-        if missing:
-            raise ValueError(f"OneBitAdam: named_parameters lacks {len(missing)} optimised "
-                             f"parameter(s) (shapes {missing})")
-        return names
-
-    @property
-    def frozen(self) -> bool:
-        """Whether the next step compresses (the warm-up is over)."""
-        return self.global_step >= self.freeze_step
-
-    @property
-    def compression_stats(self) -> Any:
-        """Bytes of the last step (:class:`~hvd_compress.pipeline.StepStats`): the
-        uncompressed all-reduce's in the warm-up, the compressed momentum's after."""
-        return (self._compressed if self.global_step > self.freeze_step
-                else self._warmup).last_step
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        params = [p for group in self.param_groups for p in group["params"]
-                  if p.requires_grad]
-        for p in params:
-            if p.grad is None:  # another rank may have one: exchange zeros
-                p.grad = torch.zeros_like(p)
-            if p.grad.is_sparse:
-                raise TypeError(f"OneBitAdam: parameter {self._names[p]!r} has a sparse "
-                                "gradient; 1-bit Adam needs dense gradients")
-        if not self.frozen:
-            names = {self._names[p]: p for p in params}
-            for name, p in names.items():
-                self._warmup.submit(name, p.grad)
-            self._warmup.wait({name: p.grad for name, p in names.items()})
-            super().step()
-        else:
-            self._compressed_step(params)
-        self.global_step += 1
-        return loss
-
-    def _compressed_step(self, params: list[torch.Tensor]) -> None:
-        del params  # the groups' parameters that require a gradient, all checked
-        local: dict[str, torch.Tensor] = {}
-        owners: dict[str, tuple[torch.Tensor, dict[str, Any], dict[str, Any],
-                                torch.Tensor]] = {}
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if not p.requires_grad:
-                    continue
-                state = self.state[p]
-                if "exp_avg_sq" not in state:
-                    raise RuntimeError(
-                        f"OneBitAdam: parameter {self._names[p]!r} has no second moment to "
-                        "freeze (freeze_step=0, or it never had a gradient in the warm-up); "
-                        "use freeze_step >= 1")
-                # The Adam steps behind the frozen variance: its bias correction stays there.
-                frozen_at = state.setdefault("frozen_at", float(state["step"]))
-                denom = (state["exp_avg_sq"] / (1 - beta2 ** frozen_at)).sqrt_()
-                denom.add_(group["eps"])
-                grad = p.grad
-                if group["weight_decay"]:
-                    grad = grad.add(p, alpha=group["weight_decay"])
-                name = self._names[p]
-                m = state["exp_avg"].mul(beta1).add_(grad, alpha=1 - beta1)
-                # In the frozen preconditioner's units, within Adam's own step bound.
-                bound = max(1.0, (1 - beta1) / (1 - beta2) ** 0.5)
-                local[name] = m.div_(denom).clamp_(-bound, bound)
-                owners[name] = (p, state, group, denom)
-        for name, u in local.items():
-            self._compressed.submit(name, u)
-        averaged = self._compressed.wait(local)  # written into the local tensors
-        for name, u in averaged.items():
-            p, state, group, denom = owners[name]
-            if not bool(state["exp_avg_sq"].all()):
-                # Never a gradient in the warm-up: 1-bit codes still give these elements
-                # +-scale; they stay put, as Adam would leave them.
-                u.masked_fill_(state["exp_avg_sq"] == 0, 0.0)
-            state["exp_avg"].copy_(u).mul_(denom)
-            state["step"] += 1
-            p.add_(u, alpha=-group["lr"] / (1 - group["betas"][0] ** float(state["step"])))
-
-    # State ---------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """Adam's state plus the step count and the compressed exchange's state (worker
-        and reducing-side residuals, step counters)."""
-        state = super().state_dict()
-        state[STATE_KEY] = {"global_step": self.global_step, "freeze_step": self.freeze_step,
-                            "compression": self._compressed.state_dict()}
-        return state
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state_dict = dict(state_dict)
-        extra = state_dict.pop(STATE_KEY, None)
-        if extra is not None and extra["freeze_step"] != self.freeze_step:
-            raise ValueError(f"OneBitAdam: the checkpoint was saved with freeze_step="
-                             f"{extra['freeze_step']} but this optimizer has freeze_step="
-                             f"{self.freeze_step}; construct it with the same freeze_step")
-        super().load_state_dict(state_dict)
-        if extra is not None:
-            self._compressed.load_state_dict(extra["compression"])
-            self.global_step = int(extra["global_step"])
+    def _apply_momentum(self, p: torch.Tensor, u: torch.Tensor, state: dict[str, Any],
+                        group: dict[str, Any], denom: torch.Tensor) -> None:
+        state["exp_avg"].copy_(u).mul_(denom)
+        state["step"] += 1
+        p.add_(u, alpha=-group["lr"] / (1 - group["betas"][0] ** float(state["step"])))
