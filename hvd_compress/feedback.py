@@ -157,8 +157,13 @@ class ErrorFeedback:
     @classmethod
     def for_scheme(cls, scheme: object) -> ErrorFeedback:
         """The memory a scheme asks for: LoCo's moving average with the scheme's
-        ``loco_beta`` if it has a non-zero one, the plain residual otherwise."""
-        return cls(beta=getattr(scheme, "loco_beta", 0.0) or 0.0)
+        ``loco_beta`` if it has a non-zero one, the plain residual otherwise. A scheme that
+        routes tensors to another one (``Compression.auto(scheme)``, its ``scheme``) asks
+        for what that one asks for."""
+        beta = getattr(scheme, "loco_beta", None)
+        if beta is None:
+            beta = getattr(getattr(scheme, "scheme", None), "loco_beta", None)
+        return cls(beta=beta or 0.0)
 
     def commit_sent(self, name: str, compensated: torch.Tensor, sent: Dense | None) -> None:
         """Keep ``compensated - sent`` as the residual (with LoCo, its moving average with

@@ -82,6 +82,13 @@ def test_a_scheme_option_selects_it_and_the_pipeline_applies_it() -> None:
     assert torch.equal(plain.feedback.get("w"), torch.tensor([0.0, 0.0, -1.0, 0.0]))
 
 
+def test_auto_gives_its_scheme_the_memory_that_scheme_asks_for() -> None:
+    assert ErrorFeedback.for_scheme(Compression.parse("auto:threshold:loco_beta=0.5")).beta \
+        == 0.5
+    assert ErrorFeedback.for_scheme(Compression.parse("auto:topk")).beta == 0.0
+    assert ErrorFeedback.for_scheme(Compression.onebit()).beta == 0.0
+
+
 def test_loco_beta_is_validated_and_recorded_in_the_checkpoint() -> None:
     for bad in (1.0, -0.1, 1.5, True, "0.5"):
         with pytest.raises(ValueError, match=r"loco_beta must be a number in \[0, 1\)"):
@@ -91,9 +98,9 @@ def test_loco_beta_is_validated_and_recorded_in_the_checkpoint() -> None:
     with pytest.raises(ValueError, match=r"'loco_beta' must be a number \(float\)"):
         Compression.parse("threshold:loco_beta=high")
     assert Compression.parse("threshold:tau=0.1,loco_beta=0.8").loco_beta == 0.8
-    saved = make_pipelines(Compression.threshold(tau=0.5, loco_beta=0.8), 1)[0]
+    saved = make_pipelines(Compression.threshold(tau=2.0, loco_beta=0.8), 1)[0]
     saved.reduce({"w": torch.randn(64)})
-    other = make_pipelines(Compression.threshold(tau=0.5), 1)[0]
+    other = make_pipelines(Compression.threshold(tau=2.0), 1)[0]
     with pytest.raises(ValueError, match=re.escape("'loco_beta': 0.8")):
         other.load_state_dict(saved.state_dict())
 
