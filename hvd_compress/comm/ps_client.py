@@ -93,6 +93,18 @@ def timeout_setting(value: float | None, env: str, default: float, name: str) ->
     return float(value)
 
 
+def check_timeout(value: Any, name: str) -> float | None:
+    """An optimizer's optional timeout argument (``connect_timeout=``), checked where it is
+    given rather than at the first step: ``None`` (then :func:`timeout_setting` takes
+    ``$env`` or the default when the client is made) or seconds > 0, returned as a float.
+    Anything else raises ``ValueError`` naming ``name``. Both bindings' optimizers call it."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ValueError(f"{name} must be > 0 seconds or None, got {value!r}")
+    return float(value)
+
+
 class PSError(RuntimeError):
     """The parameter server refused a request or could not be reached.
 

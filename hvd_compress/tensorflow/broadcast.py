@@ -3,7 +3,10 @@
 Horovod 0.28.1's ``hvd.broadcast_variables`` fails on them (``'SymbolicTensor' object has
 no attribute 'assign'``: it traces the assignment on the variables' graph-mode handles).
 This one reads each variable as a tensor, broadcasts it, and calls the variable's own
-``assign``, which both ``tf.Variable`` and ``keras.Variable`` provide.
+``assign``, which both ``tf.Variable`` and ``keras.Variable`` provide. Variables of dtypes
+Horovod refuses (bfloat16) travel as their bit patterns
+(:func:`hvd_compress.tensorflow.comm.collective`), so every rank gets root's values bit for
+bit.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
-from hvd_compress.tensorflow.comm import BROADCAST, Request, run_requests
+from hvd_compress.tensorflow.comm import BROADCAST, Request, collective, run_requests
 
 
 def broadcast_variables(variables: Iterable[Any], root_rank: int = 0,
@@ -31,8 +34,7 @@ def broadcast_variables(variables: Iterable[Any], root_rank: int = 0,
     names = [f"hvdc.broadcast.{i}" for i in range(len(variables))]
     values = [tf.convert_to_tensor(v) for v in variables]
     if not tf.executing_eagerly():
-        return tf.group([v.assign(hvd.broadcast(x, root_rank, name=name, ignore_name_scope=True,
-                                                process_set=process_set))
+        return tf.group([v.assign(collective(BROADCAST, name, x, process_set, root_rank)[0])
                          for v, x, name in zip(variables, values, names)])
     requests = [Request(BROADCAST, name, (x,), root_rank=root_rank)
                 for name, x in zip(names, values)]

@@ -11,6 +11,15 @@ the request, and the first :meth:`~HorovodTFCommunicator.wait` runs every queued
 together in one traced ``tf.function`` (one graph op per request, each named after its
 collective, all in flight together so Horovod fuses them). The pipeline queues all of a
 step's first rounds before it waits on any, so a step costs one graph call per round.
+
+Horovod 0.28.1's TensorFlow ops refuse bfloat16 tensors ("DataType bfloat16 not in list of
+allowed values"), for every collective. Such tensors take the same exact route as in the
+PyTorch binding (:mod:`hvd_compress.comm.horovod_torch`), inside the graph
+(:func:`collective`): a sum runs in float32 (a 24-bit significand against bfloat16's 8, so
+adding bfloat16 values of similar magnitudes rounds nothing) and is rounded to bfloat16
+once, to nearest even as torch's cast rounds, identically on every rank; collectives that
+only move data (all-gather, all-to-all, broadcast) carry the bit patterns as int16, so what
+arrives is the sent value bit for bit.
 """
 
 from __future__ import annotations
@@ -86,6 +95,39 @@ ALLREDUCE, ALLGATHER, ALLTOALL, BROADCAST = "allreduce", "allgather", "alltoall"
 _OUTPUTS = {ALLREDUCE: 1, ALLGATHER: 1, ALLTOALL: 2, BROADCAST: 1}
 _programs: dict[tuple[Any, ...], Callable[..., Any]] = {}
 
+SUM_AS: dict[tf.DType, tf.DType] = {tf.bfloat16: tf.float32}
+"""Dtypes Horovod's TensorFlow ops cannot sum, and the dtype each is summed in."""
+MOVE_AS: dict[tf.DType, tf.DType] = {tf.bfloat16: tf.int16}
+"""Dtypes Horovod's TensorFlow ops cannot move, and the same-sized dtype whose bits stand in
+for them."""
+
+
+def collective(kind: str, name: str, x: tf.Tensor, process_set: Any, root_rank: int = 0,
+               splits: tf.Tensor | None = None) -> list[tf.Tensor]:
+    """One Horovod TensorFlow op (graph or eager) on ``x``, any floating or integer dtype:
+    :data:`SUM_AS` and :data:`MOVE_AS` dtypes take their exact routes (module docstring).
+    Returns the op's outputs (two for an all-to-all: the data and the received splits),
+    the data in ``x``'s dtype."""
+    names = {"name": name, "ignore_name_scope": True, "process_set": process_set}
+    if kind == ALLREDUCE:
+        wide = SUM_AS.get(x.dtype)
+        if wide is None:
+            return [hvd.allreduce(x, op=hvd.Sum, **names)]
+        return [tf.cast(hvd.allreduce(tf.cast(x, wide), op=hvd.Sum, **names), x.dtype)]
+    wire = MOVE_AS.get(x.dtype)
+    sent = x if wire is None else tf.bitcast(x, wire)
+    if kind == ALLGATHER:
+        outputs = [hvd.allgather(sent, **names)]
+    elif kind == ALLTOALL:
+        outputs = list(hvd.alltoall(sent, splits=splits, **names))
+    elif kind == BROADCAST:
+        outputs = [hvd.broadcast(sent, root_rank, **names)]
+    else:
+        raise ValueError(f"unknown collective kind {kind!r}")
+    if wire is not None:
+        outputs[0] = tf.bitcast(outputs[0], x.dtype)
+    return outputs
+
 
 def _trace(signature: tuple[tuple[Any, ...], ...], process_set: Any) -> Callable[..., Any]:
     """A graph running one Horovod op per request, all concurrently."""
@@ -97,18 +139,8 @@ def _trace(signature: tuple[tuple[Any, ...], ...], process_set: Any) -> Callable
         outputs: list[tf.Tensor] = []
         for kind, name, root_rank, _ in signature:
             x = next(args)
-            if kind == ALLREDUCE:
-                outputs.append(hvd.allreduce(x, op=hvd.Sum, name=name, ignore_name_scope=True,
-                                             process_set=process_set))
-            elif kind == ALLGATHER:
-                outputs.append(hvd.allgather(x, name=name, ignore_name_scope=True,
-                                             process_set=process_set))
-            elif kind == ALLTOALL:
-                outputs.extend(hvd.alltoall(x, splits=next(args), name=name,
-                                            ignore_name_scope=True, process_set=process_set))
-            else:
-                outputs.append(hvd.broadcast(x, root_rank, name=name, ignore_name_scope=True,
-                                             process_set=process_set))
+            splits = next(args) if kind == ALLTOALL else None
+            outputs.extend(collective(kind, name, x, process_set, root_rank, splits))
         return outputs
 
     return tf.function(program, input_signature=specs, autograph=False,

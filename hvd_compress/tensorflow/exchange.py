@@ -22,6 +22,7 @@ import torch
 from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.ops import control_flow_util
 
+from hvd_compress.comm.ps_client import check_timeout
 from hvd_compress.pipeline import Pipeline, StepStats
 from hvd_compress.policy import Policy
 from hvd_compress.schemes.base import Scheme
@@ -89,21 +90,25 @@ class GradientExchange:
     :func:`~hvd_compress.tensorflow.DistributedGradientTape`); ``None`` reads
     ``$HVD_COMPRESS_PS``, ``""`` means none. With servers, creating the exchange broadcasts
     a random session id from rank 0 of the process set (a collective: every rank creates
-    its exchange).
+    its exchange); ``connect_timeout`` bounds the wait for a gRPC server never reached
+    (seconds > 0, checked here; ``None`` for ``$HVD_COMPRESS_PS_CONNECT_TIMEOUT``, else
+    10 s). ``ps`` and ``connect_timeout`` are checked before that broadcast.
     """
 
     def __init__(self, compression: Scheme, op: Any = hvd.Average,
                  gradient_predivide_factor: float = 1.0, process_set: Any = None,
                  policy: Policy | None = None, seed: int = 0,
-                 sparse_as_dense: bool = False, ps: str | None = None) -> None:
+                 sparse_as_dense: bool = False, ps: str | None = None,
+                 connect_timeout: float | None = None) -> None:
         self.process_set = process_set if process_set is not None else hvd.global_process_set
         self.options = self.normalize(
             {"op": op, "gradient_predivide_factor": gradient_predivide_factor,
              "process_set": self.process_set, "policy": policy, "seed": seed,
-             "sparse_as_dense": sparse_as_dense, "ps": ps})
+             "sparse_as_dense": sparse_as_dense, "ps": ps, "connect_timeout": connect_timeout})
         self.ps = self.options["ps"]
         self.sparse_as_dense = sparse_as_dense
-        comm = with_servers(HorovodTFCommunicator(self.process_set), self.ps, self.process_set)
+        comm = with_servers(HorovodTFCommunicator(self.process_set), self.ps, self.process_set,
+                            self.options["connect_timeout"])
         self.pipeline = Pipeline(compression, comm, policy, average=(op == hvd.Average),
                                  prescale=gradient_predivide_factor, seed=seed)
         self.steps = 0  # completed exchanges
@@ -115,7 +120,9 @@ class GradientExchange:
         process_set = options.get("process_set")
         process_set = process_set if process_set is not None else hvd.global_process_set
         return {**options, "process_set": process_set.process_set_id,
-                "ps": resolve(options.get("ps"))}
+                "ps": resolve(options.get("ps")),
+                "connect_timeout": check_timeout(options.get("connect_timeout"),
+                                                 "connect_timeout")}
 
     def reduce(self, names: Sequence[str], grads: Sequence[Any]) -> list[Any]:
         """Aggregate ``grads`` (``None`` entries pass through); eager or traced."""

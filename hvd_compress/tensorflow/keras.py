@@ -119,6 +119,7 @@ def DistributedOptimizer(
     policy: Policy | None = None,
     seed: int = 0,
     ps: str | None = None,
+    connect_timeout: float | None = None,
 ) -> keras.optimizers.Optimizer:
     """A Keras 3 optimizer that exchanges gradients with ``compression`` before every update.
 
@@ -145,10 +146,23 @@ def DistributedOptimizer(
             ``"grpcs://..."`` or ``"mpi"`` (start Horovod with
             :func:`hvd_compress.tensorflow.init`); default ``$HVD_COMPRESS_PS``, ``""`` for
             Horovod ``allgather``. With servers, this call broadcasts a random session id
-            from rank 0, so every rank must make the optimizer.
+            from rank 0, so every rank must make the optimizer. The syntax is checked
+            first (``ValueError`` naming a bad address).
+        connect_timeout: seconds to wait for a gRPC server that does not answer at all
+            before the step fails with a ``PSError`` naming it (default
+            ``$HVD_COMPRESS_PS_CONNECT_TIMEOUT``, else 10 s); a value that is not > 0
+            raises ``ValueError`` here. Failures after a server has answered are retried
+            for ``$HVD_COMPRESS_PS_RETRY_TIMEOUT`` (60 s).
+
+    The scheme checks the wrapped optimizer first (``Scheme.check_optimizer``, as the
+    PyTorch wrapper does, on the Keras optimizer's ``momentum`` seen through
+    :func:`torch_view`): ``Compression.dgc`` and Signum (``Compression.vote(momentum=...)``)
+    refuse an optimizer with momentum of its own (``ValueError``: both momenta would
+    compound), 1-bit and random-k warn for momentum of 0.9 or more.
     """
     del device_dense, device_sparse  # the exchange runs on the gradients' own device
     compression = validate(compression, op, gradient_predivide_factor, groups, num_groups)
+    compression.check_optimizer(torch_view(optimizer))
     if backward_passes_per_step != 1 or average_aggregated_gradients:
         raise ValueError("backward_passes_per_step must be 1 (and average_aggregated_gradients "
                          "False): set gradient_accumulation_steps on the Keras optimizer "
@@ -156,7 +170,8 @@ def DistributedOptimizer(
     exchange = GradientExchange(compression, op=op,
                                 gradient_predivide_factor=gradient_predivide_factor,
                                 process_set=process_set, policy=policy, seed=seed,
-                                sparse_as_dense=sparse_as_dense, ps=ps)
+                                sparse_as_dense=sparse_as_dense, ps=ps,
+                                connect_timeout=connect_timeout)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__))
     config = optimizer.get_config()
@@ -165,6 +180,21 @@ def DistributedOptimizer(
     wrapped = cls.from_config(config)
     wrapped._hvdc_setup(exchange, scale_local_gradients)
     return wrapped
+
+
+def torch_view(optimizer: keras.optimizers.Optimizer) -> Any:
+    """What :meth:`Scheme.check_optimizer <hvd_compress.schemes.base.Scheme.check_optimizer>`
+    reads of a wrapped optimizer, made from a Keras one: an object of a class with the
+    Keras class's name (messages name it) and one ``param_groups`` entry, as a torch
+    optimizer has, holding the Keras optimizer's ``momentum``.
+
+    Keras ``SGD`` and ``RMSprop`` have a float ``momentum`` (0 when off), as their torch
+    namesakes' parameter groups do; other Keras optimizers have none, which reads as 0, as
+    the checks read torch's (Adam's ``beta_1`` is not a ``momentum`` in either framework).
+    This is the one place that translates Keras attributes for the checks.
+    """
+    group = {"momentum": float(getattr(optimizer, "momentum", 0.0) or 0.0)}
+    return type(optimizer.__class__.__name__, (), {"param_groups": [group]})()
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
@@ -196,4 +226,4 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self.broadcast_done = True
 
 
-__all__ = ["BroadcastGlobalVariablesCallback", "DistributedOptimizer"]
+__all__ = ["BroadcastGlobalVariablesCallback", "DistributedOptimizer", "torch_view"]

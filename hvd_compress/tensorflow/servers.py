@@ -20,6 +20,7 @@ from hvd_compress.comm.base import Communicator
 from hvd_compress.comm.parameter_server import (
     PS_ENV,
     ParameterServerCommunicator,
+    check_spec,
     connect,
 )
 from hvd_compress.tensorflow.comm import BROADCAST, Request, run_requests
@@ -29,10 +30,16 @@ SESSION_BYTES = 4
 
 def resolve(ps: str | None) -> str:
     """The server spec to use: ``ps``, or ``$HVD_COMPRESS_PS`` when it is ``None``; ``""``
-    for none (``ps=""`` turns the environment's servers off)."""
+    for none (``ps=""`` turns the environment's servers off). Checked for syntax here,
+    before any collective or connection
+    (:func:`~hvd_compress.comm.parameter_server.check_spec`: ``ValueError`` naming the bad
+    address, where it came from and the accepted forms)."""
+    origin = "ps"
     if ps is None:
-        ps = os.environ.get(PS_ENV, "")
-    return ps.strip()
+        ps, origin = os.environ.get(PS_ENV, ""), f"${PS_ENV}"
+    if isinstance(ps, str) and not ps.strip():
+        return ""
+    return check_spec(ps, origin)
 
 
 def broadcast_session(process_set: Any, root_rank: int = 0) -> str:
@@ -49,14 +56,18 @@ def broadcast_session(process_set: Any, root_rank: int = 0) -> str:
         return bytes(request.outputs[0].numpy()).hex()
 
 
-def with_servers(dense: Communicator, ps: str, process_set: Any) -> Communicator:
+def with_servers(dense: Communicator, ps: str, process_set: Any,
+                 connect_timeout: float | None = None) -> Communicator:
     """``dense``, or, when ``ps`` names servers, a communicator sending the sparse sums to
     them under a session id broadcast from rank 0 (every other collective through
-    ``dense``)."""
+    ``dense``). ``connect_timeout``: seconds to wait for a gRPC server never reached
+    (:func:`~hvd_compress.comm.parameter_server.connect`; ``None`` for
+    ``$HVD_COMPRESS_PS_CONNECT_TIMEOUT`` or 10 s)."""
     if not ps:
         return dense
     session = broadcast_session(process_set)
-    return ParameterServerCommunicator(dense, connect(ps, dense.rank), session)
+    return ParameterServerCommunicator(
+        dense, connect(ps, dense.rank, connect_timeout=connect_timeout), session)
 
 
 def init(ps: str | None = None, **kwargs: Any) -> None:

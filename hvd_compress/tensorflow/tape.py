@@ -75,6 +75,7 @@ def DistributedGradientTape(
     policy: Policy | None = None,
     seed: int = 0,
     ps: str | None = None,
+    connect_timeout: float | None = None,
 ) -> tf.GradientTape:
     """Wrap ``gradtape`` so that ``gradient()`` returns gradients averaged over all ranks and
     exchanged with ``compression``.
@@ -108,6 +109,12 @@ def DistributedGradientTape(
             ``$HVD_COMPRESS_PS_TOKEN``. The session id on the servers is broadcast from rank
             0 when the ``compression`` object is first used (also when that happens while a
             ``tf.function`` is traced), so one compression object serves one ``ps``.
+            The syntax of ``ps`` is checked here (``ValueError`` naming a bad address).
+        connect_timeout: seconds to wait for a gRPC server that does not answer at all
+            before the step fails with a ``PSError`` naming it (default
+            ``$HVD_COMPRESS_PS_CONNECT_TIMEOUT``, else 10 s); a value that is not > 0
+            raises ``ValueError`` here. Failures after a server has answered are retried
+            for ``$HVD_COMPRESS_PS_RETRY_TIMEOUT`` (60 s).
 
     ``groups``/``num_groups`` and ``op=hvd.Adasum`` raise ``ValueError``.
     """
@@ -115,7 +122,8 @@ def DistributedGradientTape(
     compression = validate(compression, op, gradient_predivide_factor, groups, num_groups)
     exchange = compression_state(compression).exchange_for(
         op=op, gradient_predivide_factor=gradient_predivide_factor, process_set=process_set,
-        policy=policy, seed=seed, sparse_as_dense=sparse_as_dense, ps=ps)
+        policy=policy, seed=seed, sparse_as_dense=sparse_as_dense, ps=ps,
+        connect_timeout=connect_timeout)
     cls = type(gradtape.__class__.__name__, (gradtape.__class__,),
                dict(_DistributedGradientTape.__dict__))
     return cls(gradtape._tape, exchange, gradtape._persistent,

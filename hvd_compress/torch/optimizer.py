@@ -21,6 +21,7 @@ from hvd_compress.comm.parameter_server import (
     check_spec,
     connect,
 )
+from hvd_compress.comm.ps_client import check_timeout
 from hvd_compress.compression import Compression
 from hvd_compress.pipeline import Pipeline
 from hvd_compress.policy import Policy
@@ -343,8 +344,7 @@ def DistributedOptimizer(
         raise ValueError("backward_passes_per_step must be > 0")
     if bucket_mb is not None and bucket_mb < 0:
         raise ValueError(f"bucket_mb must be >= 0 or None, got {bucket_mb}")
-    if connect_timeout is not None and not connect_timeout > 0:
-        raise ValueError(f"connect_timeout must be > 0 seconds or None, got {connect_timeout}")
+    check_timeout(connect_timeout, "connect_timeout")
     if groups is not None or num_groups:
         raise ValueError("groups/num_groups are not supported by hvd_compress's optimizer; "
                          "omit them (Horovod's tensor fusion still batches small tensors)")

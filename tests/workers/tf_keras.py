@@ -60,8 +60,10 @@ class _Recorder(keras.callbacks.Callback):
 
 
 def _compile(model: keras.Model, spec: str, **kwargs: Any) -> keras.optimizers.Optimizer:
-    optimizer = DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9),
-                                     compression=Compression.parse(spec), policy=POLICY)
+    compression = Compression.parse(spec)
+    momentum = 0.0 if compression.name == "dgc" else 0.9  # DGC applies its own (and checks)
+    optimizer = DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=momentum),
+                                     compression=compression, policy=POLICY)
     model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(
         from_logits=True), **kwargs)
     return optimizer
