@@ -1,4 +1,5 @@
-"""Command line: ``python -m hvd_compress.bench {wire,kernels,ps,link} [options]``."""
+"""Command line: ``python -m hvd_compress.bench {wire,kernels,ps,link,cluster,converge}
+[options]``."""
 
 from __future__ import annotations
 
@@ -11,7 +12,16 @@ from pathlib import Path
 from typing import TypeVar
 
 from hvd_compress import Compression, bench
-from hvd_compress.bench import cluster, cluster_rank, kernels, link, ps, selection, wire_bytes
+from hvd_compress.bench import (
+    cluster,
+    cluster_rank,
+    converge,
+    kernels,
+    link,
+    ps,
+    selection,
+    wire_bytes,
+)
 from hvd_compress.bench.report import publish
 
 T = TypeVar("T")
@@ -161,7 +171,58 @@ def build_parser() -> argparse.ArgumentParser:
                       help="width of the digits MLP's two hidden layers (default 1024)")
     clus.add_argument("--timeout", type=_positive_int, default=1800,
                       help="seconds before a launch is aborted (default 1800)")
+    conv = commands.add_parser("converge", help="held-out loss and accuracy of every scheme "
+                               "at its recommended settings against uncompressed, 2 ranks")
+    conv.add_argument("--out-dir", type=Path, help="write converge.json, converge.md, "
+                      "converge-<task>-steps.png and converge-<task>-bytes.png here")
+    conv.add_argument("--json", type=Path, help="write the rows to this file")
+    conv.add_argument("--quick", action="store_true",
+                      help="a few dozen steps of both tasks, three configurations each: "
+                      "checks the harness in under a minute")
+    conv.add_argument("--tasks", type=_comma_list(_task), default=list(converge.TASKS),
+                      help="lm (character transformer), digits, or both (default lm,digits)")
+    conv.add_argument("--only", type=_comma_list(str),
+                      help="configurations to train, by row name, comma-separated "
+                      "(uncompressed always runs: it is the reference)")
+    conv.add_argument("--lm-steps", type=_positive_int,
+                      help=f"language-model steps (default {converge.LM_TASK['steps']})")
+    conv.add_argument("--digits-steps", type=_positive_int,
+                      help=f"digits steps (default {converge.DIGITS_TASK['steps']})")
+    conv.add_argument("--every", type=_positive_int,
+                      help="steps between held-out evaluations, each also a progress line "
+                      "on stderr (default: lm 25, digits 50)")
+    conv.add_argument("--timeout", type=_positive_int, default=1800,
+                      help="seconds before the launch is aborted (default 1800)")
     return parser
+
+
+def _task(name: str) -> str:
+    if name not in converge.TASKS:
+        raise ValueError(f"unknown task {name!r}; choose from {', '.join(converge.TASKS)}")
+    return name
+
+
+def _converge(args: argparse.Namespace, argv: Sequence[str]) -> None:
+    steps = {task: count for task, count in (("lm", args.lm_steps),
+                                             ("digits", args.digits_steps))
+             if count is not None and task in args.tasks}
+    if args.quick:
+        plan = converge.Plan.quick()
+        plan.tasks = {t: s for t, s in plan.tasks.items() if t in args.tasks}
+        plan.configs = [c for c in plan.configs if c.task in args.tasks]
+    else:
+        plan = converge.Plan.full(args.tasks, steps, args.every, args.only)
+    plan.timeout = args.timeout
+    plan.progress = lambda text: print(text, file=sys.stderr, flush=True)
+    rows = converge.run(plan)
+    print(converge.summary(rows))
+    if args.json is not None:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+        print(f"\nwrote {len(rows)} rows to {args.json}")
+    if args.out_dir is not None:
+        command = " ".join(["python -m hvd_compress.bench", *argv])
+        written = converge.write(rows, args.out_dir, command)
+        print(f"wrote {', '.join(written)} to {args.out_dir}")
 
 
 def _rate(text: str) -> str:
@@ -234,6 +295,7 @@ def _kernels(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     if args.command == "wire":
         rows = wire_bytes.run(args.layers, args.ranks)
@@ -243,6 +305,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _kernels(args)
     elif args.command == "cluster":
         _cluster(args)
+    elif args.command == "converge":
+        _converge(args, argv)
     elif args.command == "link":
         link.rate_bits(args.rate)
         ring = args.allreduce == "ring"

@@ -1,0 +1,94 @@
+"""``python -m hvd_compress.bench converge --quick``: the harness trains every configuration
+of its plan on 2 ranks (horovodrun, Gloo) and writes what it promises. The figures are the
+benchmark's to report; this checks that they are produced and sane."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from hvd_compress.bench import cli, converge
+
+PNGS = ["converge-lm-steps.png", "converge-lm-bytes.png", "converge-digits-steps.png",
+        "converge-digits-bytes.png"]
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict], str]:
+    out = tmp_path_factory.mktemp("converge")
+    captured: list[str] = []
+    plan = converge.Plan.quick()
+    plan.progress = captured.append
+    rows = converge.run(plan)
+    written = converge.write(rows, out, "python -m hvd_compress.bench converge --quick")
+    assert written == ["converge.json", "converge.md", *PNGS]
+    return out, rows, "\n".join(captured)
+
+
+def test_a_row_for_every_configuration_of_the_plan(quick: tuple[Path, list[dict], str]
+                                                   ) -> None:
+    _, rows, _ = quick
+    plan = converge.Plan.quick()
+    assert [(r["task"], r["name"]) for r in rows] == [(c.task, c.name) for c in plan.configs]
+    assert {r["task"] for r in rows} == {"lm", "digits"}
+    assert {"none", "powersgd", "onebit-adam"} <= {r["name"] for r in rows}
+    assert all(r["replicas_agree"] for r in rows)
+
+
+def test_losses_are_finite_and_fall(quick: tuple[Path, list[dict], str]) -> None:
+    _, rows, _ = quick
+    for r in rows:
+        losses = [p["loss"] for p in r["curve"]]
+        steps = [p["step"] for p in r["curve"]]
+        assert steps[-1] == r["steps"] and steps == sorted(steps)
+        assert all(math.isfinite(x) for x in losses), (r["name"], losses)
+        assert losses[-1] < losses[0], (r["task"], r["name"], losses)
+        assert r["final_loss"] == losses[-1]
+        # Below the loss of a uniform guess over the classes: the models learned something.
+        classes = 10 if r["task"] == "digits" else None
+        if classes is not None:
+            assert r["final_loss"] < math.log(classes)
+            assert r["final_accuracy"] > 0.3
+
+
+def test_bytes_come_from_the_optimizers_statistics(quick: tuple[Path, list[dict], str]
+                                                   ) -> None:
+    _, rows, _ = quick
+    for r in rows:
+        assert r["bytes_per_step"] > 0 and r["dense_bytes_per_step"] > 0
+        if r["name"] == "none":  # float32 all-reduce: exactly the dense size
+            assert r["bytes_per_step"] == r["dense_bytes_per_step"]
+            assert r["ratio"] == 1.0 and r["loss_gap_pct"] == 0.0
+        else:  # compression after its warm-up sends fewer bytes than during it
+            assert r["warmup_steps"] > 0
+            assert r["bytes_per_step_after_warmup"] < r["bytes_per_step"]
+            assert r["ratio_after_warmup"] > r["ratio"] > 1.0
+    adam = next(r for r in rows if r["name"] == "onebit-adam")
+    assert adam["ratio_after_warmup"] > 16  # 1 bit per element for the large tensors
+
+
+def test_files_and_progress(quick: tuple[Path, list[dict], str]) -> None:
+    out, rows, progress = quick
+    assert json.loads((out / "converge.json").read_text()) == rows
+    table = (out / "converge.md").read_text()
+    assert table.startswith("`python -m hvd_compress.bench converge --quick`")
+    for r in rows:
+        assert f"| {r['name']} | " in table
+    for png in PNGS:
+        data = (out / png).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    plan = converge.Plan.quick()
+    # One progress line per evaluation of every configuration.
+    expected = sum(math.ceil(plan.tasks[c.task]["steps"] / plan.tasks[c.task]["eval_every"])
+                   for c in plan.configs)
+    lines = progress.splitlines()
+    assert len(lines) == expected
+    assert lines[0].startswith("lm none: step 10/30, held-out loss ")
+
+
+def test_the_command_line_rejects_an_unknown_task() -> None:
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["converge", "--tasks", "imagenet"])
