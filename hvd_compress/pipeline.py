@@ -87,6 +87,7 @@ from hvd_compress.schemes.base import (
     Exchange,
     ExchangeContext,
     Outcome,
+    Scattered,
     Scheme,
     materialize,
     total,
@@ -118,6 +119,11 @@ class StepStats:
     joining fused requests and starting collectives), ``wait <round>`` (blocked until a
     round's collectives finished: the transfer, Horovod's negotiation and cycle, and the
     slowest rank), ``commit`` (finite check, residuals, writing the aggregates).
+    ``sparse_entries``: the entries of the tensors a sparse scheme sent as (index, value)
+    pairs (top-k, random-k, threshold, DGC); ``sent_entries``: the pairs this rank sent for
+    them; ``density``: ``sent_entries / sparse_entries``, the fraction of those tensors'
+    entries that travelled (fixed by the ratio for top-k, random-k and DGC after warm-up;
+    following the gradients for threshold), ``None`` when no tensor went sparse.
     """
 
     payload_bytes: int = 0
@@ -127,10 +133,16 @@ class StepStats:
     dense_tensors: int = 0
     collectives: int = 0
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    sparse_entries: int = 0
+    sent_entries: int = 0
 
     @property
     def ratio(self) -> float:
         return self.dense_bytes / max(self.payload_bytes, 1)
+
+    @property
+    def density(self) -> float | None:
+        return self.sent_entries / self.sparse_entries if self.sparse_entries else None
 
     def add(self, other: StepStats) -> None:
         self.payload_bytes += other.payload_bytes
@@ -138,6 +150,8 @@ class StepStats:
         self.compressed_tensors += other.compressed_tensors
         self.dense_tensors += other.dense_tensors
         self.collectives += other.collectives
+        self.sparse_entries += other.sparse_entries
+        self.sent_entries += other.sent_entries
         for key, value in other.collective_bytes.items():
             self.collective_bytes[key] += value
         for key, seconds in other.seconds.items():
@@ -784,6 +798,9 @@ class Pipeline:
             results[name] = self._result(outcome, flight.grad, into.get(name), scale)
             stats.payload_bytes += outcome.payload_bytes
             stats.dense_bytes += 4 * flight.grad.numel()
+            if isinstance(outcome.sent, Scattered):
+                stats.sparse_entries += flight.grad.numel()
+                stats.sent_entries += outcome.sent.indices.numel()
             if isinstance(scheme, NoCompression):
                 stats.dense_tensors += 1
             else:

@@ -37,7 +37,11 @@ class CompressionStats:
     ``payload_bytes``: this rank's encoded gradients; ``dense_bytes``: the same gradients
     as float32; ``ratio``: ``dense_bytes / payload_bytes``; ``collective_bytes``: bytes by
     round name; ``collectives``: collectives started; ``seconds``: time by part of the
-    exchange.
+    exchange; ``sparse_entries``: entries of the tensors sent as (index, value) pairs by a
+    sparse scheme (top-k, random-k, threshold, DGC), ``sent_entries``: the pairs sent for
+    them, ``density``: ``sent_entries / sparse_entries`` (over all ``steps``: the mean
+    density weighted by tensor size), ``None`` when no tensor went sparse. A threshold's
+    density follows the gradients, so this is where to watch it step by step.
     """
 
     steps: int
@@ -48,6 +52,8 @@ class CompressionStats:
     collectives: int = 0
     collective_bytes: dict[str, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
+    sparse_entries: int = 0
+    sent_entries: int = 0
 
     @classmethod
     def of(cls, stats: StepStats, steps: int) -> CompressionStats:
@@ -55,31 +61,40 @@ class CompressionStats:
         return cls(steps, stats.payload_bytes, stats.dense_bytes, stats.compressed_tensors,
                    stats.dense_tensors, stats.collectives,
                    {k: int(v) for k, v in sorted(stats.collective_bytes.items())},
-                   {k: float(v) for k, v in sorted(stats.seconds.items())})
+                   {k: float(v) for k, v in sorted(stats.seconds.items())},
+                   stats.sparse_entries, stats.sent_entries)
 
     @property
     def ratio(self) -> float:
         """``dense_bytes / payload_bytes`` (``dense_bytes`` when nothing was sent)."""
         return self.dense_bytes / max(self.payload_bytes, 1)
 
+    @property
+    def density(self) -> float | None:
+        """``sent_entries / sparse_entries``; ``None`` when no tensor was sent sparse."""
+        return self.sent_entries / self.sparse_entries if self.sparse_entries else None
+
     def to_dict(self) -> dict[str, Any]:
-        """Every field and ``ratio``, as plain ints, floats and dicts (JSON-serialisable)."""
+        """Every field, ``ratio`` and ``density``, as plain ints, floats and dicts
+        (JSON-serialisable; ``density`` is ``None`` when no tensor was sent sparse)."""
         return {"steps": self.steps, "payload_bytes": self.payload_bytes,
                 "dense_bytes": self.dense_bytes, "ratio": self.ratio,
                 "compressed_tensors": self.compressed_tensors,
                 "dense_tensors": self.dense_tensors, "collectives": self.collectives,
                 "collective_bytes": dict(self.collective_bytes),
-                "seconds": dict(self.seconds)}
+                "seconds": dict(self.seconds), "sparse_entries": self.sparse_entries,
+                "sent_entries": self.sent_entries, "density": self.density}
 
     def scalars(self, prefix: str = "hvd_compress") -> dict[str, float]:
         """:meth:`to_dict` flattened to ``{"<prefix>/<name>": number}``; the dicts become
-        ``<prefix>/bytes/<round>`` and ``<prefix>/seconds/<part>``."""
+        ``<prefix>/bytes/<round>`` and ``<prefix>/seconds/<part>``; ``density`` is left out
+        when it is ``None`` (a scalar log takes numbers only)."""
         flat: dict[str, float] = {}
         for key, value in self.to_dict().items():
             if isinstance(value, dict):
                 name = "bytes" if key == "collective_bytes" else key
                 flat.update({f"{prefix}/{name}/{k}": v for k, v in value.items()})
-            else:
+            elif value is not None:
                 flat[f"{prefix}/{key}"] = value
         return flat
 
@@ -92,6 +107,9 @@ class CompressionStats:
                     else ""),
                  f"  tensors: {self.compressed_tensors} compressed, {self.dense_tensors} "
                  f"dense; {self.collectives} collectives"]
+        if self.density is not None:
+            lines.append(f"  sparse: {self.sent_entries:,} of {self.sparse_entries:,} "
+                         f"entries sent (density {100 * self.density:.3g}%)")
         if self.collective_bytes:
             lines.append("  by round: " + ", ".join(f"{k} {_size(v)}"
                                                     for k, v in self.collective_bytes.items()))

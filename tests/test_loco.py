@@ -1,16 +1,19 @@
 """LoCo's moving-average compensator as an option of the error-feedback memory: the residual
-it keeps (exact values), its statistics, its option on a scheme, resume, and convergence."""
+it keeps (exact values), its statistics, its option on every scheme with error feedback,
+resume, refused checkpoints, and convergence."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from hvd_compress import Compression
 from hvd_compress.feedback import ErrorFeedback
-from hvd_compress.schemes.base import Scattered
+from hvd_compress.schemes.base import Dense, Scattered, Scheme, materialize, subtract
+from hvd_compress.schemes.topk import TopK
 from tests import convergence_harness as harness
 from tests.threaded import make_pipelines
 
@@ -132,3 +135,127 @@ def test_digits_trains_with_it_within_a_point_of_uncompressed(optimizer: str) ->
     assert run.accuracy >= reference.accuracy - 1.0, (run.accuracy, reference.accuracy)
     assert all(0 < s.density < 0.101 for n, s in run.pipeline.feedback.report().items()
                if "weight" in n)
+
+
+# Every scheme whose residual is the pipeline's error-feedback memory ----------------------
+LOCO_SCHEMES: dict[str, Callable[[float], Scheme]] = {
+    "topk": lambda beta: Compression.topk(ratio=0.25, loco_beta=beta),
+    "randomk": lambda beta: Compression.randomk(ratio=0.25, loco_beta=beta),
+    "threshold": lambda beta: Compression.threshold(tau=0.5, max_ratio=1.0, loco_beta=beta),
+    "onebit": lambda beta: Compression.onebit(bucket_size=8, loco_beta=beta),
+    "qsgd": lambda beta: Compression.qsgd(bucket_size=8, error_feedback=True, loco_beta=beta),
+    "terngrad": lambda beta: Compression.terngrad(bucket_size=8, error_feedback=True,
+                                                  loco_beta=beta),
+    "powersgd": lambda beta: Compression.powersgd(rank=1, start_iter=0, loco_beta=beta),
+}
+"""Each scheme with ``loco_beta`` on a 4 x 8 tensor, with options that make one step lossy
+there (a quarter of the entries, buckets of 8, rank 1 from the first step)."""
+
+DESCRIPTIONS = {
+    "topk": {"name": "topk", "ratio": 0.25, "values": "fp32"},
+    "randomk": {"name": "randomk", "ratio": 0.25},
+    "threshold": {"name": "threshold", "tau": 0.5, "max_ratio": 1.0, "values": "fp32"},
+    "onebit": {"name": "onebit", "bucket_size": 8},
+    "qsgd": {"name": "qsgd", "bits": 4, "bucket_size": 8, "norm": "max",
+             "error_feedback": True},
+    "terngrad": {"name": "terngrad", "bucket_size": 8, "clip": 2.5, "error_feedback": True},
+    "powersgd": {"name": "powersgd", "rank": 1, "start_iter": 0, "min_compression_rate": 2.0,
+                 "warm_start": True},
+}
+"""The descriptions the schemes recorded in checkpoints before they had ``loco_beta``."""
+
+
+@pytest.mark.parametrize("name", list(LOCO_SCHEMES))
+def test_every_scheme_keeps_the_moving_average_of_its_errors(
+        name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three steps of one rank: what the pipeline hands the memory (``x = g + e`` and the
+    scheme's contribution ``sent``) is recorded, and the residual it keeps is
+    ``beta e + (1 - beta)(x - sent)`` to the bit. ``beta = 0.5``: both products are exact,
+    so the formula has one rounding (the sum) however it is evaluated."""
+    beta = 0.5
+    pipe = make_pipelines(LOCO_SCHEMES[name](beta), 1)[0]
+    assert pipe.feedback.beta == beta
+    handed: list[tuple[torch.Tensor, Dense]] = []
+    commit = pipe.feedback.commit_sent
+
+    def record(tensor: str, compensated: torch.Tensor, sent: Dense | None) -> None:
+        assert sent is not None, f"{name} sent the tensor exactly"
+        handed.append((compensated.clone(), sent))
+        commit(tensor, compensated, sent)
+
+    monkeypatch.setattr(pipe.feedback, "commit_sent", record)
+    gen = torch.Generator().manual_seed(11)
+    e = torch.zeros(4, 8)
+    for step in range(3):
+        g = torch.randn(4, 8, generator=gen)
+        pipe.reduce({"w": g})
+        assert pipe.last_step.compressed_tensors == 1, step
+        x, sent = handed[-1]
+        assert torch.equal(x, g + e), step
+        # The step's error, as the memory subtracts it (PowerSGD's in one product).
+        error = subtract(x.clone(), sent)
+        torch.testing.assert_close(error, x - materialize(sent), rtol=0, atol=1e-6)
+        assert bool(error.any()), f"{name} step {step} lost nothing"
+        e = beta * e + (1 - beta) * error
+        assert torch.equal(pipe.feedback.get("w"), e), step
+        # and it is not the plain residual the same step would keep
+        assert not torch.equal(e, error), step
+
+
+@pytest.mark.parametrize("name", list(LOCO_SCHEMES))
+def test_every_scheme_refuses_a_checkpoint_of_another_beta(name: str) -> None:
+    make = LOCO_SCHEMES[name]
+    assert make(0.0).describe() == DESCRIPTIONS[name]  # so old checkpoints still load
+    assert make(0.8).describe() == {**DESCRIPTIONS[name], "loco_beta": 0.8}
+    g = torch.randn(4, 8, generator=torch.Generator().manual_seed(2))
+    checkpoints = {}
+    for beta in (0.0, 0.5, 0.8):
+        pipe = make_pipelines(make(beta), 1)[0]
+        pipe.reduce({"w": g})
+        checkpoints[beta] = pipe.state_dict()
+    for saved, state in checkpoints.items():
+        for beta in (0.0, 0.5, 0.8):
+            pipe = make_pipelines(make(beta), 1)[0]
+            if beta == saved:
+                pipe.load_state_dict(state)
+                assert torch.equal(pipe.feedback.get("w"), state["residuals"]["w"])
+                continue
+            with pytest.raises(ValueError, match=re.escape(
+                    f"saved with {make(saved).describe()} but this optimizer uses "
+                    f"{make(beta).describe()}")):
+                pipe.load_state_dict(state)
+            assert pipe.feedback.get("w") is None  # and nothing was loaded
+
+
+def test_parse_gives_each_scheme_the_option() -> None:
+    topk = Compression.parse("topk:ratio=0.01,loco_beta=0.8")
+    assert isinstance(topk, TopK) and topk.ratio == 0.01 and topk.loco_beta == 0.8
+    assert make_pipelines(topk, 1)[0].feedback.beta == 0.8
+    for spec in ("randomk", "threshold", "onebit", "qsgd:error_feedback=True",
+                 "terngrad:error_feedback=True", "powersgd"):
+        scheme = Compression.parse(f"{spec}{',' if ':' in spec else ':'}loco_beta=0.25")
+        assert scheme.loco_beta == 0.25 and scheme.describe()["loco_beta"] == 0.25, spec
+        assert ErrorFeedback.for_scheme(scheme).beta == 0.25, spec
+    assert ErrorFeedback.for_scheme(Compression.parse("auto:onebit:loco_beta=0.5")).beta \
+        == 0.5
+    with pytest.raises(ValueError, match=r"topk: loco_beta must be a number in \[0, 1\)"):
+        Compression.topk(loco_beta=1.0)
+
+
+@pytest.mark.parametrize("factory", [Compression.qsgd, Compression.terngrad])
+def test_an_unbiased_quantiser_without_error_feedback_refuses_it(
+        factory: Callable[..., Scheme]) -> None:
+    """QSGD and TernGrad keep a residual only with ``error_feedback=True``: without one
+    there is nothing to average, and the option would silently do nothing."""
+    with pytest.raises(ValueError, match=r"loco_beta=0\.8 averages the error-feedback "
+                                         r"residual, .* pass error_feedback=True"):
+        factory(loco_beta=0.8)
+    assert factory(loco_beta=0.0).describe().get("loco_beta") is None
+
+
+def test_schemes_without_the_memory_have_no_option() -> None:
+    """DGC keeps what it did not send in its own velocity, majority vote keeps nothing:
+    neither uses the pipeline's error-feedback memory, so neither takes ``loco_beta``."""
+    for spec in ("dgc:loco_beta=0.8", "vote:loco_beta=0.8"):
+        with pytest.raises(ValueError, match="has no option 'loco_beta'"):
+            Compression.parse(spec)

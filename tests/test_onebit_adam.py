@@ -3,7 +3,6 @@ on both sides; identical ranks, exact resume, convergence like Adam on digits.""
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -15,13 +14,14 @@ from hvd_compress.comm.compressed_allreduce import CHUNK_RESIDUAL
 from hvd_compress.comm.threads import ThreadGroup
 from hvd_compress.torch import OneBitAdam
 from tests import convergence_harness as harness
-from tests.harness import run_ranks
-from tests.threaded import on_threads
-
-
-@pytest.fixture(autouse=True)
-def one_thread_per_rank() -> None:
-    torch.set_num_threads(1)
+from tests.onebit_common import (
+    batches,
+    check_resume_mid_compression,
+    check_warmup_bit_for_bit,
+    ranks_of,
+    step_all,
+)
+from tests.onebit_common import one_thread_per_rank as one_thread_per_rank  # autouse
 
 
 def _onebit(freeze_step: int, **options: Any) -> Callable[..., OneBitAdam]:
@@ -45,35 +45,8 @@ def test_converges_like_adam_on_two_ranks() -> None:
     assert stats.dense_bytes - 4 * (128 + 128 + 10) == weights
 
 
-def _step_all(optimizers: list[OneBitAdam], models: list[torch.nn.Module],
-              batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    def work(rank: int) -> None:
-        x, y = batches[rank]
-        optimizers[rank].zero_grad()
-        torch.nn.functional.cross_entropy(models[rank](x), y).backward()
-        optimizers[rank].step()
-    on_threads(len(models), work)
-
-
-def _ranks(freeze_step: int, size: int = 2) -> tuple[list[torch.nn.Module], list[OneBitAdam]]:
-    group = ThreadGroup(size, timeout=60)
-    initial = harness.make_model().state_dict()
-    models = []
-    for _ in range(size):
-        model = harness.make_model()
-        model.load_state_dict(initial)
-        models.append(model)
-    return models, [_onebit(freeze_step)(m, group.communicator(r)) for r, m in enumerate(models)]
-
-
-def _batches(step: int, size: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    x, y = harness.digits()[:2]
-    gen = torch.Generator().manual_seed(step)
-    out = []
-    for _ in range(size):
-        idx = torch.randint(len(x), (32,), generator=gen)
-        out.append((x[idx], y[idx]))
-    return out
+def _ranks(freeze_step: int) -> tuple[list[torch.nn.Module], list[OneBitAdam]]:
+    return ranks_of(_onebit(freeze_step))
 
 
 def test_error_feedback_accounting_after_the_freeze() -> None:
@@ -83,11 +56,11 @@ def test_error_feedback_accounting_after_the_freeze() -> None:
     ranks' residuals)."""
     models, optimizers = _ranks(freeze_step=3)
     for step in range(3):
-        _step_all(optimizers, models, _batches(step))
+        step_all(optimizers, models, batches(step))
     name = "2.weight"
     beta1, beta2 = 0.9, 0.999
     for step in range(3, 7):
-        batches = _batches(step)
+        batch = batches(step)
         before = []
         for model, opt in zip(models, optimizers):
             state = opt.state[model[2].weight]
@@ -99,13 +72,13 @@ def test_error_feedback_accounting_after_the_freeze() -> None:
                            torch.zeros(128, 128) if residual is None else residual.clone(),
                            None if chunk is None else chunk.clone()))
         grads = []
-        for model, (x, y) in zip(models, batches):
+        for model, (x, y) in zip(models, batch):
             model.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
             grads.append(model[2].weight.grad.clone())
         for model in models:
             model.zero_grad()
-        _step_all(optimizers, models, batches)
+        step_all(optimizers, models, batch)
         inputs = torch.zeros(128, 128)
         for (m, v, _, e_old, _), g, opt in zip(before, grads, optimizers):
             d = (v / (1 - beta2 ** 3)).sqrt() + 1e-8
@@ -129,23 +102,7 @@ def test_error_feedback_accounting_after_the_freeze() -> None:
 
 
 def test_resume_mid_compression_gives_the_same_next_step() -> None:
-    models, optimizers = _ranks(freeze_step=3)
-    for step in range(6):
-        _step_all(optimizers, models, _batches(step))
-    saved = [(copy.deepcopy(m.state_dict()), copy.deepcopy(o.state_dict()))
-             for m, o in zip(models, optimizers)]
-    _step_all(optimizers, models, _batches(6))
-    resumed_models, resumed = _ranks(freeze_step=3)
-    for model, opt, (model_state, opt_state) in zip(resumed_models, resumed, saved):
-        model.load_state_dict(model_state)
-        opt.load_state_dict(opt_state)
-        assert opt.frozen and opt.global_step == 6
-    _step_all(resumed, resumed_models, _batches(6))
-    for a, b in zip(models, resumed_models):
-        for p, q in zip(a.parameters(), b.parameters()):
-            assert torch.equal(p, q)
-    with pytest.raises(ValueError, match="freeze_step=3"):
-        _ranks(freeze_step=4)[1][0].load_state_dict(saved[0][1])
+    check_resume_mid_compression(_ranks, "OneBitAdam")
 
 
 def test_bad_options_are_refused_at_construction() -> None:
@@ -161,13 +118,4 @@ def test_bad_options_are_refused_at_construction() -> None:
 
 @pytest.mark.multiprocess
 def test_warmup_is_horovod_adam_bit_for_bit_on_two_ranks() -> None:
-    freeze, steps = 5, 12
-    ranks = run_ranks("tests.workers.onebit_adam:against_adam", np=2, launcher="gloo",
-                      freeze_step=freeze, steps=steps)
-    for rank in ranks:
-        for step in range(freeze):
-            assert torch.equal(rank["onebit"][step], rank["adam"][step]), step
-        assert not torch.equal(rank["onebit"][-1], rank["adam"][-1])  # compressed after
-        assert rank["ratio"] > 16
-    for step in range(steps):
-        assert torch.equal(ranks[0]["onebit"][step], ranks[1]["onebit"][step]), step
+    check_warmup_bit_for_bit("tests.workers.onebit_adam:against_adam", "adam")

@@ -3,7 +3,6 @@ LAMB's frozen, rescaled trust ratios; identical ranks, exact resume, convergence
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -14,9 +13,14 @@ from hvd_compress import Compression
 from hvd_compress.comm.threads import ThreadGroup
 from hvd_compress.torch import OneBitLamb
 from tests import convergence_harness as harness
-from tests.harness import run_ranks
-from tests.test_onebit_adam import _batches, _step_all
-from tests.test_onebit_adam import one_thread_per_rank as one_thread_per_rank  # autouse
+from tests.onebit_common import (
+    batches,
+    check_resume_mid_compression,
+    check_warmup_bit_for_bit,
+    ranks_of,
+    step_all,
+)
+from tests.onebit_common import one_thread_per_rank as one_thread_per_rank  # autouse
 
 LR, DECAY = 1e-2, 0.01
 
@@ -28,67 +32,8 @@ def _onebit(freeze_step: int, **options: Any) -> Callable[..., OneBitLamb]:
                                           **options)
 
 
-def ranks_of(factory: Callable[..., Any], size: int = 2
-             ) -> tuple[list[torch.nn.Module], list[Any]]:
-    """``size`` copies of the digits model from one start, each with the optimizer
-    ``factory(model, comm)`` on its rank of a new :class:`ThreadGroup`."""
-    group = ThreadGroup(size, timeout=60)
-    initial = harness.make_model().state_dict()
-    models = [harness.make_model() for _ in range(size)]
-    for model in models:
-        model.load_state_dict(initial)
-    return models, [factory(m, group.communicator(r)) for r, m in enumerate(models)]
-
-
 def _ranks(freeze_step: int) -> tuple[list[torch.nn.Module], list[OneBitLamb]]:
     return ranks_of(_onebit(freeze_step))
-
-
-def check_resume_mid_compression(make_ranks: Callable[[int], tuple[list[torch.nn.Module],
-                                                                   list[Any]]],
-                                 label: str) -> None:
-    """Six steps (frozen after three), a checkpoint, one more step; optimizers built anew
-    from the checkpoint take the same step bit for bit, and a checkpoint of another
-    ``freeze_step`` is refused naming it. ``make_ranks(freeze_step)``: a model and an
-    optimizer per rank, from the same start; ``label``: the optimizer's class name."""
-    models, optimizers = make_ranks(3)
-    for step in range(6):
-        _step_all(optimizers, models, _batches(step))
-    saved = [(copy.deepcopy(m.state_dict()), copy.deepcopy(o.state_dict()))
-             for m, o in zip(models, optimizers)]
-    _step_all(optimizers, models, _batches(6))
-    resumed_models, resumed = make_ranks(3)
-    for model, opt, (model_state, opt_state) in zip(resumed_models, resumed, saved):
-        model.load_state_dict(model_state)
-        opt.load_state_dict(opt_state)
-        assert opt.frozen and opt.global_step == 6
-    _step_all(resumed, resumed_models, _batches(6))
-    for a, b in zip(models, resumed_models):
-        assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
-    for a, b in zip(optimizers, resumed):
-        for p, q in zip(a.param_groups[0]["params"], b.param_groups[0]["params"]):
-            for key, value in a.state[p].items():
-                other = b.state[q][key]
-                assert torch.equal(value, other) if torch.is_tensor(value) \
-                    else value == other, key
-    with pytest.raises(ValueError, match=f"{label}: the checkpoint was saved with "
-                                         "freeze_step=3"):
-        make_ranks(4)[1][0].load_state_dict(saved[0][1])
-
-
-def check_warmup_bit_for_bit(ranks: list[dict[str, Any]], reference: str, freeze: int,
-                             steps: int) -> None:
-    """Each rank's parameters after every step, ``ranks[r]["onebit"]`` against
-    ``ranks[r][reference]``: equal bit for bit through the warm-up, different once
-    compressed, and the same on every rank at every step; more than 16x fewer bytes."""
-    for rank in ranks:
-        for step in range(freeze):
-            assert torch.equal(rank["onebit"][step], rank[reference][step]), step
-        assert not torch.equal(rank["onebit"][-1], rank[reference][-1])  # compressed after
-        assert rank["ratio"] > 16
-    for step in range(steps):
-        assert all(torch.equal(r["onebit"][step], ranks[0]["onebit"][step])
-                   for r in ranks), step
 
 
 def test_compressed_steps_follow_the_frozen_and_rescaled_trust_ratio() -> None:
@@ -99,7 +44,7 @@ def test_compressed_steps_follow_the_frozen_and_rescaled_trust_ratio() -> None:
     freeze = 4
     models, optimizers = _ranks(freeze_step=freeze)
     for step in range(freeze):
-        _step_all(optimizers, models, _batches(step))
+        step_all(optimizers, models, batches(step))
     beta1, beta2, eps = 0.9, 0.999, 1e-8
     p = models[0][2].weight
     state = optimizers[0].state[p]
@@ -111,7 +56,7 @@ def test_compressed_steps_follow_the_frozen_and_rescaled_trust_ratio() -> None:
         fresh_old = state.get("exp_avg_sq_fresh", v).clone()
         last = state.get("factor", 1.0)
         p_old = p.detach().clone()
-        _step_all(optimizers, models, _batches(step))
+        step_all(optimizers, models, batches(step))
         t = float(state["step"])
         assert t == step + 1 and state["coeff_frozen"] == c_frozen  # frozen
         assert torch.equal(state["exp_avg_sq"], v)  # the variance too
@@ -174,7 +119,4 @@ def test_bad_options_are_refused_at_construction() -> None:
 
 @pytest.mark.multiprocess
 def test_warmup_is_horovod_averaged_lamb_bit_for_bit_on_two_ranks() -> None:
-    freeze, steps = 5, 12
-    ranks = run_ranks("tests.workers.onebit_lamb:against_lamb", np=2, launcher="gloo",
-                      freeze_step=freeze, steps=steps)
-    check_warmup_bit_for_bit(ranks, "lamb", freeze, steps)
+    check_warmup_bit_for_bit("tests.workers.onebit_lamb:against_lamb", "lamb")

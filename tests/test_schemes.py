@@ -145,7 +145,7 @@ def test_parse_rejects_unknown_names_and_options() -> None:
     with pytest.raises(ValueError, match="takes no options"):
         Compression.parse("fp16:bits=3")
     with pytest.raises(ValueError, match=r"scheme 'onebit' has no option 'levels'.*"
-                                         r"its options are bucket_size$"):
+                                         r"its options are bucket_size, loco_beta$"):
         Compression.parse("onebit:levels=3")
 
 
@@ -153,7 +153,8 @@ def test_parse_lists_the_options_of_a_misspelt_one() -> None:
     with pytest.raises(ValueError) as err:
         Compression.parse("qsgd:bit=4")
     assert "no option 'bit'" in str(err.value)
-    assert "its options are bits, bucket_size, norm, error_feedback" in str(err.value)
+    assert "its options are bits, bucket_size, norm, error_feedback, loco_beta" \
+        in str(err.value)
     with pytest.raises(ValueError, match="ratio, momentum, clip_norm, warmup_steps, "
                                          "sample_ratio, values"):
         Compression.parse("dgc:ratios=0.1")

@@ -7,10 +7,13 @@ import json
 from collections import defaultdict
 
 import pytest
+import torch
 
+from hvd_compress import Compression, Policy
 from hvd_compress.pipeline import StepStats
 from hvd_compress.stats import CompressionStats, StatsLogger
 from tests.harness import run_ranks
+from tests.threaded import make_pipelines
 
 
 def sample() -> StepStats:
@@ -32,6 +35,7 @@ def test_summary_and_plain_dict() -> None:
     assert "by round: gather 500 B, scatter 1.0 kB" in text
     assert "exchange time 5.0 ms: wait scatter 4.0, scheme 1.0" in text
     as_dict = stats.to_dict()
+    assert as_dict["density"] is None and as_dict["sparse_entries"] == 0
     assert type(as_dict["collective_bytes"]) is dict and type(as_dict["seconds"]) is dict
     assert json.loads(json.dumps(as_dict)) == as_dict
     assert as_dict["ratio"] == 32.0 and as_dict["collective_bytes"] == {"gather": 500,
@@ -62,6 +66,51 @@ def test_logger_checks_its_arguments_and_logs_every_n_steps() -> None:
     StatsLogger(Writer(), every=1, prefix="p")(4, sample(), sample())
     assert written["p/ratio"] == [(4, 32.0)] and written["p/total_ratio"] == [(4, 32.0)]
     assert written["p/bytes/gather"] == [(4, 500)]
+
+
+def test_a_threshold_steps_density_is_the_share_of_entries_above_tau() -> None:
+    """Per step: ``density`` is the count of ``|g + e| > tau`` over the entries of the
+    tensors sent sparse (the 1-D bias goes dense and counts in neither); the totals are
+    the sums of the steps' counts."""
+    tau = 1.0
+    pipe = make_pipelines(Compression.threshold(tau=tau, max_ratio=1.0), 1,
+                          policy=Policy(min_numel=64))[0]
+    gen = torch.Generator().manual_seed(4)
+    sent = 0
+    for step in range(3):
+        grads = {"weight": torch.randn(16, 20, generator=gen),
+                 "bias": torch.randn(16, generator=gen)}
+        residual = pipe.feedback.get("weight")
+        x = grads["weight"] + (0 if residual is None else residual)
+        above = int((x.abs() > tau).sum())
+        assert 0 < above < x.numel()
+        pipe.reduce(grads)
+        stats = CompressionStats.of(pipe.last_step, 1)
+        assert (stats.sparse_entries, stats.sent_entries) == (320, above), step
+        assert stats.density == above / 320
+        assert stats.to_dict()["density"] == above / 320
+        assert stats.scalars()["hvd_compress/density"] == above / 320
+        assert f"  sparse: {above} of 320 entries sent (density {100 * above / 320:.3g}%)" \
+            in str(stats).splitlines()
+        assert (stats.compressed_tensors, stats.dense_tensors) == (1, 1)
+        sent += above
+    totals = CompressionStats.of(pipe.total, 3)
+    assert (totals.sparse_entries, totals.sent_entries) == (3 * 320, sent)
+    # No tensor sent sparse: no density, and no scalar a writer could not take.
+    dense = CompressionStats.of(sample(), 1)
+    assert dense.density is None and dense.to_dict()["density"] is None
+    assert "hvd_compress/density" not in dense.scalars() and "sparse:" not in str(dense)
+
+
+@pytest.mark.parametrize("spec", ["topk:ratio=0.1", "randomk:ratio=0.1", "dgc:ratio=0.1"])
+def test_a_fixed_ratio_schemes_density_is_its_k_over_n(spec: str) -> None:
+    """``k = ceil(0.1 * 320) = 32`` pairs a step; DGC's counted from the pairs it returns
+    although it keeps its residual itself."""
+    pipe = make_pipelines(Compression.parse(spec), 1)[0]
+    for _ in range(2):
+        pipe.reduce({"w": torch.randn(16, 20)})
+        assert (pipe.last_step.sparse_entries, pipe.last_step.sent_entries) == (320, 32)
+    assert pipe.total.density == 0.1
 
 
 @pytest.mark.multiprocess

@@ -157,7 +157,10 @@ class Outcome:
     ``aggregate`` is the **sum** over ranks (the pipeline divides for an average).
     ``sent`` is this rank's own contribution as the others decode it, which error feedback
     subtracts from the input; ``None`` means it was sent exactly. Either may be kept as
-    low-rank factors (:class:`LowRank`). ``state`` replaces the scheme's per-tensor state
+    low-rank factors (:class:`LowRank`) or as pairs (:class:`Scattered`); a sparse scheme
+    returns its pairs as ``sent`` (the step's density is counted from them) even when it
+    keeps its residual itself (DGC, whose ``error_feedback`` is off: the pipeline then
+    subtracts nothing). ``state`` replaces the scheme's per-tensor state
     once the step is known to be good. ``payload_bytes`` is the exact encoded size of this
     rank's contribution.
     """
@@ -178,6 +181,10 @@ class Scheme(ABC):
             SignSGD"): ``e <- (g + e) - sent``. Biased schemes need it to converge.
         min_compression_rate: the policy sends a tensor dense when this scheme would shrink
             it by less (unless the policy sets its own threshold).
+        loco_beta: set by the schemes with error feedback that offer LoCo's moving-average
+            residual (:meth:`loco_option`); the pipeline's memory uses it
+            (:meth:`~hvd_compress.feedback.ErrorFeedback.for_scheme`). Schemes without the
+            option have no such attribute.
     """
 
     name: str = "scheme"
@@ -207,9 +214,36 @@ class Scheme(ABC):
         """Whether the scheme can encode a tensor of this shape at all."""
         return shape.numel() > 0
 
+    def options(self) -> dict[str, Any]:
+        """The constructor options that define this scheme, by name (``loco_beta`` aside:
+        :meth:`describe` adds it). Default: none."""
+        return {}
+
     def describe(self) -> dict[str, Any]:
-        """The configuration, recorded in state dicts so a mismatched restore is caught."""
-        return {"name": self.name}
+        """The configuration, recorded in state dicts so a mismatched restore is caught: the
+        name, :meth:`options`, and ``loco_beta`` if the scheme has a non-zero one. At 0 the
+        key is left out, so a checkpoint written before a scheme had the option (and one
+        written with it at 0) describes the same scheme and still loads."""
+        loco_beta = getattr(self, "loco_beta", 0.0)
+        return {"name": self.name, **self.options(),
+                **({"loco_beta": loco_beta} if loco_beta else {})}
+
+    def loco_option(self, loco_beta: float) -> float:
+        """A scheme's ``loco_beta=`` option, checked: the weight of LoCo's moving-average
+        residual (:mod:`hvd_compress.feedback`, ``e <- beta e + (1 - beta)((g + e) -
+        sent)``), which the pipeline's error-feedback memory applies to every scheme that
+        stores ``self.loco_beta = self.loco_option(loco_beta)`` in its constructor (and
+        which :meth:`describe` then records). ``ValueError`` naming the scheme if it is not
+        in ``[0, 1)``, or if it is non-zero while this scheme keeps no residual (its
+        ``error_feedback`` is off: there is nothing to average)."""
+        from hvd_compress.feedback import check_loco_beta  # feedback imports this module
+
+        beta = check_loco_beta(self.name, loco_beta)
+        if beta and not self.error_feedback:
+            raise ValueError(f"{self.name}: loco_beta={beta:g} averages the error-feedback "
+                             f"residual, but this {self.name} keeps none; pass "
+                             "error_feedback=True as well, or leave loco_beta at 0")
+        return beta
 
     def check_optimizer(self, optimizer: Any) -> None:
         """Refuse, with an error that says what to change, a wrapped optimizer this scheme

@@ -13,6 +13,7 @@ from hvd_compress.schemes.base import (
     Exchange,
     ExchangeContext,
     Outcome,
+    Scattered,
     Scheme,
     optimizer_momentum,
 )
@@ -52,6 +53,10 @@ class DGC(Scheme):
     geometrically in four equal stages from 25% to ``ratio``; for ``ratio=0.001`` that is
     25%, 6.3%, 1.6%, 0.4%, then 0.1%, within 2% of the paper's 75%, 93.75%, 98.4375%,
     99.6%, 99.9% sparsity.
+
+    DGC has no ``loco_beta`` option: what it does not send stays in its velocity ``v``
+    (scheme state, reset where sent by momentum factor masking), not in the pipeline's
+    error-feedback memory that LoCo's moving average is an option of.
     """
 
     name = "dgc"
@@ -104,7 +109,10 @@ class DGC(Scheme):
         # their rounding error with fp16.
         v = v.index_copy(0, indices, v[indices] - request.values.float())
         u = u.index_fill(0, indices, 0.0)
-        return Outcome(total.view_as(x), None, nbytes(request), {MOMENTUM: u, VELOCITY: v})
+        # The pairs sent, for the step's density; the pipeline's memory ignores them (no
+        # error_feedback: the residual is v).
+        sent = Scattered(indices, request.values, x.shape)
+        return Outcome(total.view_as(x), sent, nbytes(request), {MOMENTUM: u, VELOCITY: v})
 
     def select(self, v: torch.Tensor, k: int, ctx: ExchangeContext) -> torch.Tensor:
         """Indices of at most ``k`` entries of large ``|v|`` by the sampled threshold (the
@@ -140,7 +148,7 @@ class DGC(Scheme):
                 f"torch.optim.{type(optimizer).__name__}(params, lr=..., momentum=0) "
                 f"with Compression.dgc(momentum={momentum})")
 
-    def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "ratio": self.ratio, "momentum": self.momentum,
-                "clip_norm": self.clip_norm, "warmup_steps": self.warmup_steps,
-                "sample_ratio": self.sample_ratio, "values": self.values}
+    def options(self) -> dict[str, Any]:
+        return {"ratio": self.ratio, "momentum": self.momentum, "clip_norm": self.clip_norm,
+                "warmup_steps": self.warmup_steps, "sample_ratio": self.sample_ratio,
+                "values": self.values}

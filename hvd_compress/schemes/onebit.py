@@ -39,16 +39,23 @@ class OneBit(PackedScheme):
     Wire: ``ceil(n/8)`` bytes of sign bits (1 = non-negative; :func:`wire.pack_bits`), then
     ``ceil(n/bucket_size)`` float32 scales. With the default ``bucket_size=2048`` the payload
     is 32 / (1 + 32/2048) = 31.5x smaller than float32.
+
+    ``loco_beta``: the error-feedback memory (:meth:`~hvd_compress.schemes.base.Scheme.
+    loco_option`): 0 (default) keeps the plain residual; in ``(0, 1)``, LoCo's moving
+    average of the compression errors with this weight on the old residual. It is the
+    rank's residual (the input side of the compressed all-reduce) that is averaged; the
+    reducing rank's residual of its chunk stays the plain one.
     """
 
     name = "onebit"
     error_feedback = True
 
-    def __init__(self, bucket_size: int = 2048) -> None:
+    def __init__(self, bucket_size: int = 2048, loco_beta: float = 0.0) -> None:
         if bucket_size < 8 or bucket_size % 8:
             raise ValueError(f"onebit: bucket_size must be a positive multiple of 8, "
                              f"got {bucket_size}")
         self.bucket_size = bucket_size
+        self.loco_beta = self.loco_option(loco_beta)
 
     def chunk_bytes(self, numel: int) -> int:
         buckets = (numel + self.bucket_size - 1) // self.bucket_size
@@ -75,8 +82,8 @@ class OneBit(PackedScheme):
         """Warns for optimizer momentum of 0.9 or more (:func:`warn_heavy_momentum`)."""
         warn_heavy_momentum(self, optimizer, ONEBIT_MEASURED)
 
-    def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "bucket_size": self.bucket_size}
+    def options(self) -> dict[str, Any]:
+        return {"bucket_size": self.bucket_size}
 
 
 ONEBIT_MEASURED = ("on digits (2 ranks, SGD lr 0.1, 600 steps) 1-bit reached 61.7% test "

@@ -39,6 +39,11 @@ class PowerSGD(Scheme):
         warm_start: reuse the previous step's aggregated ``Q`` (Algorithm 2's warm start;
             one power iteration per step then tracks the dominant subspace over time).
             Otherwise draw a fresh Gaussian ``Q`` each step.
+        loco_beta: the error-feedback memory (:meth:`~hvd_compress.schemes.base.Scheme.
+            loco_option`): 0 (default) keeps the plain residual ``M_w - P^ P^T M_w``; in
+            ``(0, 1)``, LoCo's moving average of those errors with this weight on the old
+            residual. The first ``start_iter`` steps send exactly and keep no residual
+            either way.
 
     Orthogonalisation is a Householder QR, which stays stable when ``P`` is rank-deficient
     (a zero gradient, say), where Gram-Schmidt would divide by zero.
@@ -48,7 +53,7 @@ class PowerSGD(Scheme):
     error_feedback = True
 
     def __init__(self, rank: int = 4, start_iter: int = 10, min_compression_rate: float = 2.0,
-                 warm_start: bool = True) -> None:
+                 warm_start: bool = True, loco_beta: float = 0.0) -> None:
         if rank < 1:
             raise ValueError(f"powersgd: rank must be >= 1, got {rank}")
         if start_iter < 0:
@@ -57,6 +62,7 @@ class PowerSGD(Scheme):
         self.start_iter = start_iter
         self.min_compression_rate = min_compression_rate
         self.warm_start = warm_start
+        self.loco_beta = self.loco_option(loco_beta)
 
     @staticmethod
     def matrix_shape(shape: torch.Size) -> tuple[int, int]:
@@ -100,7 +106,7 @@ class PowerSGD(Scheme):
         sent = LowRank(p_hat, q_local, x.shape)
         return Outcome(aggregate, sent, 4 * (n + m) * r, {Q_STATE: q_total})
 
-    def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "rank": self.rank, "start_iter": self.start_iter,
+    def options(self) -> dict[str, Any]:
+        return {"rank": self.rank, "start_iter": self.start_iter,
                 "min_compression_rate": self.min_compression_rate,
                 "warm_start": self.warm_start}

@@ -37,12 +37,19 @@ class QSGD(PackedScheme):
     Wire: the signed level ``sign * xi + s`` (in ``0 .. 2s``) as ``bits``-bit codes
     (:func:`wire.pack_codes`), then one float32 norm (scale) per bucket. Defaults ``bits=4``,
     ``bucket_size=512``: 32 / (4 + 32/512) = 7.9x smaller than float32.
+
+    ``error_feedback=True`` keeps the quantisation error in a residual (off by default: the
+    estimator is unbiased). ``loco_beta`` (only with ``error_feedback=True``): 0 (default)
+    keeps the plain residual; in ``(0, 1)``, LoCo's moving average of the compression errors
+    with this weight on the old residual (:meth:`~hvd_compress.schemes.base.Scheme.
+    loco_option`), applied to the rank's residual; the reducing rank's residual of its
+    chunk stays the plain one.
     """
 
     name = "qsgd"
 
     def __init__(self, bits: int = 4, bucket_size: int = 512, norm: str = "max",
-                 error_feedback: bool = False) -> None:
+                 error_feedback: bool = False, loco_beta: float = 0.0) -> None:
         if not 2 <= bits <= 8:
             raise ValueError(f"qsgd: bits must be 2..8 (one bit is the sign), got {bits}")
         if bucket_size < 1:
@@ -54,6 +61,7 @@ class QSGD(PackedScheme):
         self.levels = 2 ** (bits - 1) - 1
         self.bucket_size = bucket_size
         self.error_feedback = error_feedback
+        self.loco_beta = self.loco_option(loco_beta)
 
     def chunk_bytes(self, numel: int) -> int:
         buckets = (numel + self.bucket_size - 1) // self.bucket_size
@@ -86,7 +94,6 @@ class QSGD(PackedScheme):
         scale = wire.bytes_to_floats(norms).div(self.levels)
         return values.sub_(self.levels).mul_(scale.repeat_interleave(self.bucket_size)[:numel])
 
-    def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "bits": self.bits, "bucket_size": self.bucket_size,
-                "norm": self.norm,
+    def options(self) -> dict[str, Any]:
+        return {"bits": self.bits, "bucket_size": self.bucket_size, "norm": self.norm,
                 "error_feedback": self.error_feedback}

@@ -29,14 +29,19 @@ class RandomK(Scheme):
     missed this step is sent later. An element waits about ``1 / ratio`` steps, so heavy
     optimizer momentum amplifies the delayed bursts: the optimizer wrapper warns for
     momentum of 0.9 or more (:meth:`check_optimizer`).
+
+    ``loco_beta``: the error-feedback memory (:meth:`~hvd_compress.schemes.base.Scheme.
+    loco_option`): 0 (default) keeps the plain residual; in ``(0, 1)``, LoCo's moving
+    average of the compression errors with this weight on the old residual.
     """
 
     name = "randomk"
     error_feedback = True
 
-    def __init__(self, ratio: float = 0.01) -> None:
+    def __init__(self, ratio: float = 0.01, loco_beta: float = 0.0) -> None:
         check_ratio(self.name, ratio)
         self.ratio = ratio
+        self.loco_beta = self.loco_option(loco_beta)
 
     def payload_bytes(self, shape: torch.Size) -> int:
         return 4 * sparse_count(self.ratio, shape.numel())
@@ -57,8 +62,8 @@ class RandomK(Scheme):
         """Warns for optimizer momentum of 0.9 or more (:func:`warn_heavy_momentum`)."""
         warn_heavy_momentum(self, optimizer, RANDOMK_MEASURED)
 
-    def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "ratio": self.ratio}
+    def options(self) -> dict[str, Any]:
+        return {"ratio": self.ratio}
 
 
 RANDOMK_MEASURED = ("on digits (2 ranks, SGD lr 0.1, 600 steps) random-k at ratio 0.01 reached "

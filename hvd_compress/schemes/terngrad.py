@@ -37,12 +37,17 @@ class TernGrad(PackedScheme):
 
     Wire: trits packed five per byte (1.6 bits per element, :func:`wire.pack_trits`), then
     one float32 scale per bucket. Default ``bucket_size=512``: 32 / (1.6 + 32/512) = 19.2x.
+
+    ``loco_beta`` (only with ``error_feedback=True``): 0 (default) keeps the plain residual;
+    in ``(0, 1)``, LoCo's moving average of the compression errors with this weight on the
+    old residual (:meth:`~hvd_compress.schemes.base.Scheme.loco_option`), applied to the
+    rank's residual; the reducing rank's residual of its chunk stays the plain one.
     """
 
     name = "terngrad"
 
     def __init__(self, bucket_size: int = 512, clip: float | None = 2.5,
-                 error_feedback: bool = False) -> None:
+                 error_feedback: bool = False, loco_beta: float = 0.0) -> None:
         if bucket_size < 1:
             raise ValueError(f"terngrad: bucket_size must be positive, got {bucket_size}")
         if clip is not None and clip <= 0:
@@ -50,6 +55,7 @@ class TernGrad(PackedScheme):
         self.bucket_size = bucket_size
         self.clip = clip
         self.error_feedback = error_feedback
+        self.loco_beta = self.loco_option(loco_beta)
 
     def chunk_bytes(self, numel: int) -> int:
         buckets = (numel + self.bucket_size - 1) // self.bucket_size
@@ -84,6 +90,6 @@ class TernGrad(PackedScheme):
         scale = wire.bytes_to_floats(scales).repeat_interleave(self.bucket_size)[:numel]
         return wire.unpack_trits(trits, numel).to(torch.float32).mul_(scale)
 
-    def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "bucket_size": self.bucket_size, "clip": self.clip,
+    def options(self) -> dict[str, Any]:
+        return {"bucket_size": self.bucket_size, "clip": self.clip,
                 "error_feedback": self.error_feedback}

@@ -9,7 +9,6 @@ from typing import Any
 import torch
 
 from hvd_compress.comm.ops import SparseSum, nbytes
-from hvd_compress.feedback import check_loco_beta
 from hvd_compress.schemes.base import Exchange, ExchangeContext, Outcome, Scattered, Scheme
 from hvd_compress.schemes.topk import (
     check_ratio,
@@ -73,9 +72,9 @@ class Threshold(Scheme):
             a threshold sparsifier is no longer the right tool.
         values: ``"fp32"`` (default) or ``"fp16"`` (halves the values' bytes; the rounding
             stays in the residual).
-        loco_beta: the error-feedback memory (:class:`~hvd_compress.feedback.ErrorFeedback`):
-            0 (default), the plain residual; in ``(0, 1)``, LoCo's moving average of the
-            compression errors with this weight on the old residual.
+        loco_beta: the error-feedback memory (:meth:`~hvd_compress.schemes.base.Scheme.
+            loco_option`): 0 (default), the plain residual; in ``(0, 1)``, LoCo's moving
+            average of the compression errors with this weight on the old residual.
     """
 
     name = "threshold"
@@ -90,7 +89,7 @@ class Threshold(Scheme):
         self.max_ratio = max_ratio
         self.values = values
         self._dtype = value_dtype(self.name, values)
-        self.loco_beta = check_loco_beta(self.name, loco_beta)
+        self.loco_beta = self.loco_option(loco_beta)
         self._capped: set[str] = set()  # tensors already warned about
 
     def payload_bytes(self, shape: torch.Size) -> int:
@@ -134,6 +133,5 @@ class Threshold(Scheme):
         sent = Scattered(indices, request.values, x.shape)
         return Outcome(total.view_as(x), sent, nbytes(request))
 
-    def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "tau": self.tau, "max_ratio": self.max_ratio,
-                "values": self.values, "loco_beta": self.loco_beta}
+    def options(self) -> dict[str, Any]:
+        return {"tau": self.tau, "max_ratio": self.max_ratio, "values": self.values}

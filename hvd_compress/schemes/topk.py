@@ -77,16 +77,22 @@ class TopK(Scheme):
     summed by a parameter server or by gathering them, not by a ring. On the wire
     (:mod:`hvd_compress.sparse_wire`) indices are delta+varint coded, about 1-2 bytes at
     0.1% density, plus 4 (fp32) or 2 (fp16) bytes per value.
+
+    ``loco_beta``: the error-feedback memory (:meth:`~hvd_compress.schemes.base.Scheme.
+    loco_option`): 0 (default) keeps the plain residual; in ``(0, 1)``, LoCo's moving
+    average of the compression errors with this weight on the old residual.
     """
 
     name = "topk"
     error_feedback = True
 
-    def __init__(self, ratio: float = 0.001, values: str = "fp32") -> None:
+    def __init__(self, ratio: float = 0.001, values: str = "fp32",
+                 loco_beta: float = 0.0) -> None:
         check_ratio(self.name, ratio)
         self.ratio = ratio
         self.values = values
         self._dtype = value_dtype(self.name, values)
+        self.loco_beta = self.loco_option(loco_beta)
 
     def payload_bytes(self, shape: torch.Size) -> int:
         return sparse_nbytes(shape.numel(), sparse_count(self.ratio, shape.numel()), self.values)
@@ -101,5 +107,5 @@ class TopK(Scheme):
         sent = Scattered(indices, request.values, x.shape)
         return Outcome(total.view_as(x), sent, nbytes(request))
 
-    def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "ratio": self.ratio, "values": self.values}
+    def options(self) -> dict[str, Any]:
+        return {"ratio": self.ratio, "values": self.values}

@@ -119,5 +119,5 @@ class MajorityVote(PackedScheme):
                 f"has momentum={found[1]} in parameter group {found[0]}: construct it with "
                 f"momentum=0")
 
-    def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "momentum": self.momentum}
+    def options(self) -> dict[str, Any]:
+        return {"momentum": self.momentum}
