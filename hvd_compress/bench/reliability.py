@@ -317,7 +317,12 @@ def worker_kill_trial(work: Path, seed: int, rounds: int) -> dict[str, Any]:
         victim = subprocess.Popen(
             [sys.executable, "-m", "hvd_compress.bench.reliability", "_worker", srv.address,
              "1", str(rounds), str(seed)], cwd=ROOT, env=process_env(),
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            text=True)
+        if victim.stdout.readline().strip() != "ready":  # its imports take seconds
+            raise RuntimeError("the worker process failed to start")
+        victim.stdin.write("go\n")
+        victim.stdin.flush()
         progress = Progress()
         box: list[dict[str, Any]] = []
         thread = threading.Thread(target=lambda: box.append(
@@ -342,8 +347,13 @@ def worker_kill_trial(work: Path, seed: int, rounds: int) -> dict[str, Any]:
 
 
 def worker_main(argv: list[str]) -> None:
-    """``_worker ADDRESS WORKER ROUNDS SEED``: one worker of :func:`train` as a process."""
+    """``_worker ADDRESS WORKER ROUNDS SEED``: one worker of :func:`train` as a process;
+    prints ``ready`` once imported and starts when a line comes on its standard input."""
+    import torch  # noqa: F401 (the import that takes seconds, before ready)
+
     address, worker, rounds, seed = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
+    print("ready", flush=True)
+    sys.stdin.readline()
     print(json.dumps(train(address, worker, rounds, seed)), flush=True)
 
 
@@ -487,7 +497,7 @@ def faults(work: Path, trials: int, rounds: int) -> dict[str, Any]:
     report["freeze"] = _tally("server SIGSTOP > deadline", [
         freeze_trial(_fresh(work, f"fr{i}"), 400 + i, rounds) for i in range(trials)])
     if os.geteuid() == 0:
-        report["link"] = _tally("lossy / stalled link (netem)",
+        report["link"] = _tally("lossy / stalled link",
                                 link_trials(_fresh(work, "net"), trials, rounds))
     else:
         print("  link trials skipped: they need root (network namespaces)", flush=True)
@@ -751,13 +761,15 @@ def fuzz(work: Path, requests: int, threads: int = 8) -> dict[str, Any]:
 
 # Security ----------------------------------------------------------------------------------
 def _code(call: Callable[[], Any]) -> str:
+    """The gRPC status name a call ends with; a push's answer when it succeeds
+    (``OK accepted`` or ``OK duplicate``)."""
     import grpc
 
     try:
-        call()
+        reply = call()
     except grpc.RpcError as err:
         return err.code().name
-    return "OK"
+    return f"OK {reply.decode()}" if reply in (b"accepted", b"duplicate") else "OK"
 
 
 def self_signed(directory: Path, name: str) -> tuple[Path, Path]:
@@ -873,7 +885,7 @@ def security(work: Path) -> dict[str, Any]:
               "conflicting_push_first_sender": "ABORTED",
               "worker_id_out_of_range": "INVALID_ARGUMENT"}
     problems = [f"{k}: {out[k]} (expected {v})" for k, v in expect.items() if out[k] != v]
-    if out["replay_closed_round"] not in ("FAILED_PRECONDITION", "OK"):
+    if out["replay_closed_round"] not in ("FAILED_PRECONDITION", "OK duplicate"):
         problems.append(f"replay: {out['replay_closed_round']}")
     if not all(out["round_0_exact"] + out["round_1_exact_after_replay"]):
         problems.append("a round was not exact")
@@ -909,7 +921,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     p = argparse.ArgumentParser(prog="python -m hvd_compress.bench.reliability",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("part", nargs="?", default="all", choices=(*PARTS, "all"))
+    p.add_argument("parts", nargs="*", default=["all"], choices=(*PARTS, "all"),
+                   metavar="PART", help=f"one or more of {', '.join(PARTS)}, or all (default)")
     p.add_argument("--json", type=Path, required=True, metavar="OUT",
                    help="write every figure and trial here")
     p.add_argument("--requests", type=int, default=100_000, help="fuzz requests")
@@ -919,7 +932,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=1000, help="load: rounds")
     args = p.parse_args(argv)
     logging.getLogger("hvd_compress.ps_client").setLevel(logging.ERROR)  # retries expected
-    parts = PARTS if args.part == "all" else (args.part,)
+    parts = PARTS if "all" in args.parts else tuple(dict.fromkeys(args.parts))
     report: dict[str, Any] = {"command": " ".join(sys.argv), "started": time.strftime(
         "%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "load_average": os.getloadavg()}
     with tempfile.TemporaryDirectory(prefix="hvdc-reliability-") as tmp:
