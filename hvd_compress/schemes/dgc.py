@@ -145,7 +145,7 @@ class DGC(Scheme):
                 f"{type(optimizer).__name__} has momentum={momentum} in parameter group "
                 f"{index}: both would compound and training diverges. Construct the "
                 f"optimizer with momentum=0 and give the momentum to DGC, e.g. "
-                f"torch.optim.{type(optimizer).__name__}(params, lr=..., momentum=0) "
+                f"{type(optimizer).__name__}(..., momentum=0) "
                 f"with Compression.dgc(momentum={momentum})")
 
     def options(self) -> dict[str, Any]:
