@@ -280,3 +280,40 @@ def test_a_plaintext_client_of_a_tls_server_is_told_at_once(start, tmp_path):
     assert ok.push_pull("tls", 0, 10, torch.tensor([1]), torch.tensor([2.0]))[1].tolist() \
         == [2.0]
     ok.close()
+
+
+def test_the_fuzz_corpus_generator_never_makes_a_guarded_frame_valid():
+    """The campaign's state check relies on every request to tensor ``fz/guarded`` being
+    invalid (CRC broken, truncated or extended): checked on 3,000 generated requests with
+    the reference decoder, and the other mutations do produce both kinds."""
+    from hvd_compress.bench.reliability import expected_invalid, fuzz_case
+
+    made: dict[str, set[bool]] = {}
+    for i in range(3000):
+        method, data, how = fuzz_case(np.random.default_rng([11, i]), i)
+        invalid = expected_invalid(method, data)
+        if i % 3 == 0:
+            assert invalid, (i, how)
+        made.setdefault(how, set()).add(invalid)
+    assert made["body+crc"] == {True, False}  # some rewritten values stay valid pushes
+    assert made["random"] == made["truncated"] == made["wrong-rpc"] == {True}
+
+
+def test_the_campaign_command_runs_a_short_fuzz(tmp_path):
+    """``python -m hvd_compress.bench.reliability fuzz`` end to end at 1,000 requests:
+    its JSON says no crash, hang or accepted invalid request and exact clean rounds."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.harness import ROOT, rank_env
+
+    out = tmp_path / "fuzz.json"
+    subprocess.run([sys.executable, "-m", "hvd_compress.bench.reliability", "fuzz",
+                    "--requests", "1000", "--json", str(out)], cwd=ROOT, env=rank_env(),
+                   check=True, capture_output=True, timeout=240)
+    report = json.loads(out.read_text())["fuzz"]
+    assert report["requests"] == 1000
+    assert (report["crashes"], report["hangs"], report["accepted_invalid"]) == (0, 0, 0)
+    assert report["clean_round_exact"] == {"fz/guarded": True, "after/fresh": True}
+    assert report["ok"]

@@ -19,7 +19,7 @@ faults
     SIGKILLed at a random round and restarted on its port from its checkpoint; the server
     killing itself at each step of the close and checkpoint sequence
     (``$HVD_COMPRESS_PS_FAULT``, at a random occurrence) and restarted; the server stopped
-    (SIGSTOP) for longer than ``--deadline``; a lossy and a stalled link (``netem`` on an
+    (SIGSTOP) for longer than ``--deadline``; a lossy and a stalled link (the server on an
     emulated host, :mod:`hvd_compress.bench.hosts`: a token bucket too small for the
     bursts, or the interface down for seconds; needs root, skipped otherwise). A
     trial passes when every worker applied only exact sums, the workers' aggregates are
