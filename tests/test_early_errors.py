@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from hvd_compress import Compression
+from hvd_compress.binding import resolve_compression, resolve_ps
 from hvd_compress.comm.parameter_server import PS_ENV, check_spec, connect
 from hvd_compress.comm.ps_client import PSClient, parse_addresses
 from hvd_compress.torch import DistributedOptimizer
-from hvd_compress.torch.optimizer import resolve_compression, resolve_ps
 from ps_server.__main__ import parse_args
 from tests.harness import ROOT, rank_env
 
@@ -81,6 +81,7 @@ def _model_optimizer() -> torch.optim.Optimizer:
 
 def test_optimizer_refuses_a_bad_ps_at_construction(monkeypatch: pytest.MonkeyPatch) -> None:
     """Before any collective or connection: no ``hvd.init()`` is needed to see it."""
+    _model_optimizer()  # torch's first optimizer takes seconds to set up under load
     start = time.monotonic()
     with pytest.raises(ValueError, match="'grpc://host:notaport' in ps="):
         DistributedOptimizer(_model_optimizer(), ps="grpc://host:notaport")
@@ -97,13 +98,26 @@ def test_optimizer_refuses_a_bad_ps_at_construction(monkeypatch: pytest.MonkeyPa
 
 
 def test_horovods_own_compressors_mean_ours() -> None:
-    assert resolve_compression(hvd.Compression.fp16) is Compression.fp16
-    assert resolve_compression(hvd.Compression.none) is Compression.none
-    assert resolve_compression(hvd.Compression.fp16()) is Compression.fp16
-    assert resolve_compression(None) is Compression.none
-    scheme = Compression.qsgd(bits=4)
-    assert resolve_compression(scheme) is scheme
-    assert resolve_compression(Compression.fp16()) is Compression.fp16
+    for framework in ("torch", "tensorflow"):
+        assert resolve_compression(None, framework) is Compression.none
+        scheme = Compression.qsgd(bits=4)
+        assert resolve_compression(scheme, framework) is scheme
+        assert resolve_compression(Compression.fp16(), framework) is Compression.fp16
+    assert resolve_compression(hvd.Compression.fp16, "torch") is Compression.fp16
+    assert resolve_compression(hvd.Compression.none, "torch") is Compression.none
+    assert resolve_compression(hvd.Compression.fp16(), "torch") is Compression.fp16
+    assert resolve_compression(hvd.Compression.none(), "torch") is Compression.none
+
+
+def test_the_other_frameworks_horovod_compressor_is_refused_saying_which_to_pass() -> None:
+    """horovod.torch's compressor on the TensorFlow binding (its class compared by module
+    and name, so TensorFlow is not imported here)."""
+    with pytest.raises(TypeError) as err:
+        resolve_compression(hvd.Compression.fp16, "tensorflow")
+    assert str(err.value).endswith(
+        "(hvd = horovod.tensorflow); got horovod.torch.Compression.fp16, the compressor of "
+        "Horovod's torch library: pass horovod.tensorflow.Compression.fp16 or "
+        "Compression.fp16"), err.value
 
 
 @pytest.mark.parametrize(("value", "detail"), [
@@ -118,13 +132,15 @@ def test_anything_else_as_compression_says_what_is_accepted(value: object, detai
         DistributedOptimizer(_model_optimizer(), compression=value)
     message = str(err.value)
     assert message.startswith("compression must be a scheme of hvd_compress.Compression")
-    assert "or Horovod's own hvd.Compression.none or hvd.Compression.fp16" in message
+    assert ("or Horovod's own hvd.Compression.none or hvd.Compression.fp16 (hvd = "
+            "horovod.torch)") in message
     assert detail in message, message
 
 
 SIZE_ONE = """
 import horovod.torch as hvd, torch
 from hvd_compress import Compression
+from hvd_compress.binding import resolve_compression, resolve_ps
 from hvd_compress.torch import DistributedOptimizer
 hvd.init()
 for given, meant in ((hvd.Compression.fp16, Compression.fp16),
@@ -189,6 +205,7 @@ UNREACHED = """
 import socket, time
 import horovod.torch as hvd, torch
 from hvd_compress import Compression
+from hvd_compress.binding import resolve_compression, resolve_ps
 from hvd_compress.torch import DistributedOptimizer
 hvd.init()
 with socket.socket() as s:  # a port nothing listens on

@@ -1,6 +1,8 @@
-"""What the PyTorch binding has, on the TensorFlow binding: ``connect_timeout=`` and ``ps=``
-checked at construction, the schemes' optimizer checks on Keras optimizers, bfloat16 models
-end to end, and the exact majority vote.
+"""What the PyTorch binding has, on the TensorFlow binding: ``connect_timeout=``, ``ps=``,
+Horovod's arguments and ``compression=`` checked at construction with the same messages,
+Horovod's own TensorFlow compressors taken as the PyTorch binding takes Horovod's torch
+ones, the schemes' optimizer checks on Keras optimizers, bfloat16 models end to end, and
+the exact majority vote.
 
 TensorFlow is imported only in the processes these tests start (it costs seconds)."""
 
@@ -12,18 +14,22 @@ import sys
 import textwrap
 from typing import Any
 
+import horovod.torch as horovod_torch
 import numpy as np
 import pytest
 import torch
 
+from hvd_compress import Compression
+from hvd_compress.binding import HOROVOD_COMPRESSORS, resolve_compression
 from hvd_compress.comm.parameter_server import PS_ENV
 from hvd_compress.comm.ps_client import check_timeout
 from tests.harness import ROOT, rank_env, run_ranks
+from tests.test_binding import ARGUMENT_ERRORS, KERAS_ACCUMULATION
 from tests.workers.bf16 import bf16_value
 
 ONE_PROCESS = """
 import json, socket, time, warnings
-import horovod.tensorflow as hvd, keras, tensorflow as tf
+import horovod.tensorflow as hvd, keras, numpy as np, tensorflow as tf
 from hvd_compress import Compression
 from hvd_compress.tensorflow import DistributedGradientTape
 from hvd_compress.tensorflow.keras import DistributedOptimizer
@@ -69,6 +75,48 @@ with warnings.catch_warnings(record=True) as caught:
     DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9),
                          compression=Compression.onebit())
 out["onebit_warnings"] = [str(w.message) for w in caught if w.category is UserWarning]
+
+# Horovod's arguments and compression= values refused, with the PyTorch optimizer's messages.
+from tests.test_binding import ARGUMENT_ERRORS
+# horovod.torch's fp16 compressor, by its module and name: importing horovod.torch here would
+# point Horovod's global process set at the torch library, which this process does not start.
+torch_horovod_fp16 = type("FP16Compressor", (), {"__module__": "horovod.torch.compression"})
+for path, make in (("tape", lambda **kw: DistributedGradientTape(tf.GradientTape(), **kw)),
+                   ("keras", keras_opt)):
+    out[f"{path}_argument_errors"] = [  # Horovod's tape has no backward_passes_per_step
+        error(lambda: make(**kw)) for kw, _ in ARGUMENT_ERRORS
+        if path == "keras" or "backward_passes_per_step" not in kw]
+    out[f"{path}_compression_errors"] = [
+        error(lambda: make(compression=value))
+        for value in ("fp16", Compression.qsgd, torch_horovod_fp16, 3)]
+out["keras_accumulation_errors"] = [error(lambda: keras_opt(**kw)) for kw in (
+    {"backward_passes_per_step": 2}, {"average_aggregated_gradients": True})]
+
+# Horovod's own TensorFlow compressors (classes, or instances) mean Compression.none/fp16.
+v = tf.Variable(tf.reshape(tf.range(64 * 64, dtype=tf.float32), [64, 64]) / 7.0 + 0.1)
+exact = {"none": v.numpy(), "fp16": v.numpy().astype(np.float16).astype(np.float32)}
+out["fp16_rounds"] = bool(not np.array_equal(exact["fp16"], exact["none"]))
+out["horovods"] = {}
+for label, given in (("none", hvd.Compression.none), ("none()", hvd.Compression.none()),
+                     ("fp16", hvd.Compression.fp16), ("fp16()", hvd.Compression.fp16())):
+    expected = exact[label.rstrip("()")]
+    with tf.GradientTape() as raw:
+        target = 0.5 * tf.reduce_sum(v * v)  # its gradient is v
+    wrapped = DistributedGradientTape(raw, compression=given)
+    grad = wrapped.gradient(target, v)
+    optimizer = DistributedOptimizer(keras.optimizers.SGD(1.0), compression=given)
+    w = tf.Variable(tf.zeros([64, 64]))
+    optimizer.apply([v], [w])  # w = 0 - 1.0 * (v exchanged)
+    keras_exchange = optimizer.hvd_compress_state.exchange
+    out["horovods"][label] = {
+        "tape_scheme": repr(wrapped._exchange.pipeline.scheme),
+        "keras_scheme": repr(keras_exchange.pipeline.scheme),
+        "tape_exact": bool(np.array_equal(grad.numpy(), expected)),
+        "keras_exact": bool(np.array_equal(w.numpy(), -expected)),
+        "payload_bytes": [wrapped._exchange.last_step.payload_bytes,
+                          keras_exchange.last_step.payload_bytes]}
+out["horovod_classes"] = [f"{c.__module__}.{c.__qualname__}"
+                          for c in (hvd.Compression.none, hvd.Compression.fp16)]
 
 # A server never reached, with connect_timeout=0.5: the first step fails within it.
 with socket.socket() as s:  # a port nothing listens on
@@ -130,6 +178,56 @@ def test_bad_ps_is_refused_at_construction(one_process: dict[str, Any]) -> None:
     assert "'grpc://host:notaport' in ps='grpc://host:notaport'" in one_process["keras_bad_ps"]
     assert "the port 'notaport' is not a number" in one_process["keras_bad_ps"]
     assert "'http://' is not supported" in one_process["tape_bad_ps"]
+
+
+def test_horovods_arguments_are_refused_at_construction_as_by_the_torch_optimizer(
+        one_process: dict[str, Any]) -> None:
+    """The tape and the Keras optimizer raise the PyTorch optimizer's messages
+    (tests/test_binding.py checks those against the PyTorch optimizer)."""
+    expected = [f"ValueError: {message}" for _, message in ARGUMENT_ERRORS]
+    assert one_process["keras_argument_errors"] == expected
+    assert one_process["tape_argument_errors"] == [  # the tape has no backward_passes_per_step
+        f"ValueError: {message}" for kwargs, message in ARGUMENT_ERRORS
+        if "backward_passes_per_step" not in kwargs]
+    assert one_process["keras_accumulation_errors"] == [
+        f"ValueError: backward_passes_per_step must be 1 here, got 2: {KERAS_ACCUMULATION}",
+        f"ValueError: average_aggregated_gradients must be False here, got True: "
+        f"{KERAS_ACCUMULATION}"]
+
+
+def test_bad_compression_is_refused_at_construction_saying_what_to_pass(
+        one_process: dict[str, Any]) -> None:
+    expected = []
+    for value in ("fp16", Compression.qsgd, horovod_torch.Compression.fp16, 3):
+        with pytest.raises(TypeError) as err:
+            resolve_compression(value, "tensorflow")
+        expected.append(f"TypeError: {err.value}")
+    assert "got the string 'fp16': use Compression.parse('fp16')" in expected[0]
+    assert "got the class QSGD itself: call it with its options" in expected[1]
+    assert "pass horovod.tensorflow.Compression.fp16 or Compression.fp16" in expected[2]
+    assert "got an instance of builtins.int" in expected[3]
+    for path in ("tape", "keras"):
+        assert one_process[f"{path}_compression_errors"] == expected, path
+
+
+def test_horovods_tensorflow_compressors_construct_and_step(
+        one_process: dict[str, Any]) -> None:
+    """``horovod.tensorflow.Compression.none``/``.fp16`` (the classes Horovod passes, and
+    instances) on the tape and the Keras optimizer: the scheme is ``Compression.none`` /
+    ``Compression.fp16``, and at size 1 the exchanged gradient is the gradient itself,
+    rounded to float16 and back for fp16, bit for bit (the rounding changes these values)."""
+    assert one_process["fp16_rounds"]
+    assert sorted(one_process["horovods"]) == ["fp16", "fp16()", "none", "none()"]
+    for label, result in one_process["horovods"].items():
+        scheme = label.rstrip("()")
+        assert result["tape_scheme"] == result["keras_scheme"] == f"Compression.{scheme}"
+        assert result["tape_exact"] and result["keras_exact"], (label, result)
+        element_bytes = 2 if scheme == "fp16" else 4
+        assert result["payload_bytes"] == [64 * 64 * element_bytes] * 2, (label, result)
+    assert {name: HOROVOD_COMPRESSORS["tensorflow"].get(name)
+            for name in one_process["horovod_classes"]} == {
+        "horovod.tensorflow.compression.NoneCompressor": "none",
+        "horovod.tensorflow.compression.FP16Compressor": "fp16"}
 
 
 def test_a_server_never_reached_fails_the_first_step_within_connect_timeout(

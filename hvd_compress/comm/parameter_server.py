@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from hvd_compress.binding import PS_ENV as PS_ENV  # re-exported: ps= when not given
 from hvd_compress.comm.base import Communicator
 from hvd_compress.comm.ops import Collective, SparseSum, sum_pairs
 from hvd_compress.comm.ps_client import (
@@ -22,9 +23,6 @@ from hvd_compress.comm.ps_client import (
     parse_addresses,
 )
 
-PS_ENV = "HVD_COMPRESS_PS"
-"""Where the servers are when ``ps=`` is not given: ``grpc://h:p,h:p``, ``grpcs://...``
-(TLS) or ``mpi``."""
 CA_ENV = "HVD_COMPRESS_PS_CA"
 """Path of the PEM certificate to trust for ``grpcs://`` servers."""
 

@@ -22,6 +22,7 @@ import torch
 from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.ops import control_flow_util
 
+from hvd_compress.binding import check_horovod_arguments, resolve_compression, resolve_ps
 from hvd_compress.comm.ps_client import check_timeout
 from hvd_compress.pipeline import Pipeline, StepStats
 from hvd_compress.policy import Policy
@@ -29,7 +30,7 @@ from hvd_compress.schemes.base import Scheme
 from hvd_compress.schemes.dense import NoCompression
 from hvd_compress.stats import StatsLogger
 from hvd_compress.tensorflow.comm import HorovodTFCommunicator, to_tf, to_torch
-from hvd_compress.tensorflow.servers import resolve, with_servers
+from hvd_compress.tensorflow.servers import with_servers
 
 STATE_KEY = "hvd_compress"
 
@@ -60,23 +61,24 @@ def tensor_name(position: int) -> str:
     return f"var.{position}"
 
 
-def validate(compression: Scheme | None, op: Any, gradient_predivide_factor: float,
-             groups: Any, num_groups: int) -> Scheme:
-    """Check the Horovod-style arguments shared by the tape and the Keras optimizer."""
-    compression = compression if compression is not None else NoCompression()
-    if not isinstance(compression, Scheme):
-        raise TypeError(f"compression must be one of hvd_compress.Compression's schemes, got "
-                        f"{compression!r} (Horovod's own hvd.Compression objects go to "
-                        "Horovod's own tape)")
-    if op not in (hvd.Average, hvd.Sum):
-        raise ValueError("op must be hvd.Average or hvd.Sum; Adasum does not compose with "
-                         "gradient compression")
-    if gradient_predivide_factor != 1.0 and op != hvd.Average:
-        raise ValueError("gradient_predivide_factor is only supported with op=hvd.Average")
-    if groups is not None or num_groups:
-        raise ValueError("groups/num_groups are not supported by hvd_compress; omit them "
-                         "(Horovod's tensor fusion still batches small tensors)")
-    return compression
+def check_arguments(compression: Any, op: Any, gradient_predivide_factor: float,
+                    groups: Any, num_groups: int, **horovod_arguments: Any) -> Scheme:
+    """The scheme for ``compression=`` of the tape or the Keras optimizer, once Horovod's
+    arguments are checked, as the PyTorch optimizer checks its own
+    (:func:`~hvd_compress.binding.resolve_compression` with Horovod's TensorFlow
+    compressors, :func:`~hvd_compress.binding.check_horovod_arguments`; further keyword
+    arguments go to the latter).
+
+    ``None`` is a new ``Compression.none`` object rather than the shared
+    ``Compression.none``: the tape keeps its exchange state per compression object, so two
+    tapes made with the default and different options (``op``, ``process_set``) do not
+    share one exchange.
+    """
+    scheme = resolve_compression(compression if compression is not None else NoCompression(),
+                                 "tensorflow")
+    check_horovod_arguments(hvd, op=op, gradient_predivide_factor=gradient_predivide_factor,
+                            groups=groups, num_groups=num_groups, **horovod_arguments)
+    return scheme
 
 
 class GradientExchange:
@@ -88,11 +90,12 @@ class GradientExchange:
     gradients (embeddings) into dense tensors; without it they are refused. ``ps``: the
     parameter servers that sum the sparse schemes' pairs (see
     :func:`~hvd_compress.tensorflow.DistributedGradientTape`); ``None`` reads
-    ``$HVD_COMPRESS_PS``, ``""`` means none. With servers, creating the exchange broadcasts
-    a random session id from rank 0 of the process set (a collective: every rank creates
-    its exchange); ``connect_timeout`` bounds the wait for a gRPC server never reached
-    (seconds > 0, checked here; ``None`` for ``$HVD_COMPRESS_PS_CONNECT_TIMEOUT``, else
-    10 s). ``ps`` and ``connect_timeout`` are checked before that broadcast.
+    ``$HVD_COMPRESS_PS``, ``""`` means none (:func:`~hvd_compress.binding.resolve_ps`).
+    With servers, creating the exchange broadcasts a random session id from rank 0 of the
+    process set (a collective: every rank creates its exchange); ``connect_timeout``
+    bounds the wait for a gRPC server never reached (seconds > 0, checked here; ``None``
+    for ``$HVD_COMPRESS_PS_CONNECT_TIMEOUT``, else 10 s). ``ps`` and ``connect_timeout``
+    are checked before that broadcast.
     """
 
     def __init__(self, compression: Scheme, op: Any = hvd.Average,
@@ -120,7 +123,7 @@ class GradientExchange:
         process_set = options.get("process_set")
         process_set = process_set if process_set is not None else hvd.global_process_set
         return {**options, "process_set": process_set.process_set_id,
-                "ps": resolve(options.get("ps")),
+                "ps": resolve_ps(options.get("ps")),
                 "connect_timeout": check_timeout(options.get("connect_timeout"),
                                                  "connect_timeout")}
 

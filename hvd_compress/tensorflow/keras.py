@@ -16,15 +16,14 @@ import keras
 import numpy as np
 
 from hvd_compress.policy import Policy
-from hvd_compress.schemes.base import Scheme
 from hvd_compress.stats import CompressionStats, StatsLogger
 from hvd_compress.tensorflow.broadcast import broadcast_variables
 from hvd_compress.tensorflow.exchange import (
     STATE_KEY,
     CompressionState,
     GradientExchange,
+    check_arguments,
     tensor_name,
-    validate,
 )
 
 
@@ -105,7 +104,7 @@ def DistributedOptimizer(
     name: str | None = None,
     device_dense: str = "",
     device_sparse: str = "",
-    compression: Scheme | None = None,
+    compression: Any = None,
     sparse_as_dense: bool = False,
     gradient_predivide_factor: float = 1.0,
     op: Any = hvd.Average,
@@ -121,7 +120,10 @@ def DistributedOptimizer(
     ps: str | None = None,
     connect_timeout: float | None = None,
 ) -> keras.optimizers.Optimizer:
-    """A Keras 3 optimizer that exchanges gradients with ``compression`` before every update.
+    """A Keras 3 optimizer that exchanges gradients with ``compression`` before every update:
+    a scheme of :class:`hvd_compress.Compression` (default ``Compression.none``), or
+    Horovod's own ``hvd.Compression.none``/``hvd.Compression.fp16`` of ``horovod.tensorflow``,
+    which mean ``Compression.none``/``Compression.fp16``, as for the tape.
 
     The arguments and their meaning are those of
     ``horovod.tensorflow.keras.DistributedOptimizer``; the result is a new optimizer of the
@@ -161,12 +163,12 @@ def DistributedOptimizer(
     compound), 1-bit and random-k warn for momentum of 0.9 or more.
     """
     del device_dense, device_sparse  # the exchange runs on the gradients' own device
-    compression = validate(compression, op, gradient_predivide_factor, groups, num_groups)
+    compression = check_arguments(
+        compression, op, gradient_predivide_factor, groups, num_groups,
+        backward_passes_per_step=backward_passes_per_step,
+        average_aggregated_gradients=average_aggregated_gradients,
+        accumulation="set gradient_accumulation_steps on the wrapped Keras optimizer instead")
     compression.check_optimizer(torch_view(optimizer))
-    if backward_passes_per_step != 1 or average_aggregated_gradients:
-        raise ValueError("backward_passes_per_step must be 1 (and average_aggregated_gradients "
-                         "False): set gradient_accumulation_steps on the Keras optimizer "
-                         "instead")
     exchange = GradientExchange(compression, op=op,
                                 gradient_predivide_factor=gradient_predivide_factor,
                                 process_set=process_set, policy=policy, seed=seed,

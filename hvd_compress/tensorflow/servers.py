@@ -1,5 +1,7 @@
-"""Parameter servers for the TensorFlow binding: ``ps=``, its ``$HVD_COMPRESS_PS`` default,
-and :func:`init` for MPMD launches with server ranks.
+"""Parameter servers for the TensorFlow binding: the session id broadcast and the
+communicator for ``ps=`` (resolved, with its ``$HVD_COMPRESS_PS`` default, by
+:func:`hvd_compress.binding.resolve_ps`, as for the PyTorch binding), and :func:`init` for
+MPMD launches with server ranks.
 
 The servers (``python -m ps_server``) and their clients are the PyTorch binding's
 (:mod:`hvd_compress.comm.parameter_server`): a sparse scheme's pairs travel in the same
@@ -16,30 +18,17 @@ import numpy as np
 import tensorflow as tf
 
 from hvd_compress import mpmd
+from hvd_compress.binding import resolve_ps
 from hvd_compress.comm.base import Communicator
-from hvd_compress.comm.parameter_server import (
-    PS_ENV,
-    ParameterServerCommunicator,
-    check_spec,
-    connect,
-)
+from hvd_compress.comm.parameter_server import ParameterServerCommunicator, connect
 from hvd_compress.tensorflow.comm import BROADCAST, Request, run_requests
 
 SESSION_BYTES = 4
 
 
-def resolve(ps: str | None) -> str:
-    """The server spec to use: ``ps``, or ``$HVD_COMPRESS_PS`` when it is ``None``; ``""``
-    for none (``ps=""`` turns the environment's servers off). Checked for syntax here,
-    before any collective or connection
-    (:func:`~hvd_compress.comm.parameter_server.check_spec`: ``ValueError`` naming the bad
-    address, where it came from and the accepted forms)."""
-    origin = "ps"
-    if ps is None:
-        ps, origin = os.environ.get(PS_ENV, ""), f"${PS_ENV}"
-    if isinstance(ps, str) and not ps.strip():
-        return ""
-    return check_spec(ps, origin)
+resolve = resolve_ps
+"""The one ``ps=`` resolution of both bindings, :func:`hvd_compress.binding.resolve_ps`
+(``None`` for no servers), under the name this module gave it."""
 
 
 def broadcast_session(process_set: Any, root_rank: int = 0) -> str:
@@ -56,11 +45,12 @@ def broadcast_session(process_set: Any, root_rank: int = 0) -> str:
         return bytes(request.outputs[0].numpy()).hex()
 
 
-def with_servers(dense: Communicator, ps: str, process_set: Any,
+def with_servers(dense: Communicator, ps: str | None, process_set: Any,
                  connect_timeout: float | None = None) -> Communicator:
     """``dense``, or, when ``ps`` names servers, a communicator sending the sparse sums to
     them under a session id broadcast from rank 0 (every other collective through
-    ``dense``). ``connect_timeout``: seconds to wait for a gRPC server never reached
+    ``dense``); ``ps`` as :func:`~hvd_compress.binding.resolve_ps` returns it.
+    ``connect_timeout``: seconds to wait for a gRPC server never reached
     (:func:`~hvd_compress.comm.parameter_server.connect`; ``None`` for
     ``$HVD_COMPRESS_PS_CONNECT_TIMEOUT`` or 10 s)."""
     if not ps:

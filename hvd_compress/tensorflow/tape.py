@@ -8,12 +8,11 @@ import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from hvd_compress.policy import Policy
-from hvd_compress.schemes.base import Scheme
 from hvd_compress.tensorflow.exchange import (
     GradientExchange,
+    check_arguments,
     compression_state,
     tensor_name,
-    validate,
 )
 
 
@@ -63,7 +62,7 @@ def DistributedGradientTape(
     gradtape: tf.GradientTape,
     device_dense: str = "",
     device_sparse: str = "",
-    compression: Scheme | None = None,
+    compression: Any = None,
     sparse_as_dense: bool = False,
     op: Any = hvd.Average,
     gradient_predivide_factor: float = 1.0,
@@ -78,7 +77,10 @@ def DistributedGradientTape(
     connect_timeout: float | None = None,
 ) -> tf.GradientTape:
     """Wrap ``gradtape`` so that ``gradient()`` returns gradients averaged over all ranks and
-    exchanged with ``compression``.
+    exchanged with ``compression``: a scheme of :class:`hvd_compress.Compression` (default
+    ``Compression.none``), or Horovod's own ``hvd.Compression.none``/``hvd.Compression.fp16``
+    of ``horovod.tensorflow``, which mean ``Compression.none``/``Compression.fp16`` (as on
+    the PyTorch optimizer; anything else raises ``TypeError`` saying what to pass).
 
     The arguments and their meaning are those of ``horovod.tensorflow.DistributedGradientTape``
     (``op`` is ``hvd.Average`` or ``hvd.Sum``; ``gradient_predivide_factor`` divides before
@@ -119,7 +121,8 @@ def DistributedGradientTape(
     ``groups``/``num_groups`` and ``op=hvd.Adasum`` raise ``ValueError``.
     """
     del device_dense, device_sparse  # the exchange runs on the gradients' own device
-    compression = validate(compression, op, gradient_predivide_factor, groups, num_groups)
+    compression = check_arguments(compression, op, gradient_predivide_factor, groups,
+                                  num_groups)
     exchange = compression_state(compression).exchange_for(
         op=op, gradient_predivide_factor=gradient_predivide_factor, process_set=process_set,
         policy=policy, seed=seed, sparse_as_dense=sparse_as_dense, ps=ps,

@@ -10,19 +10,13 @@ from typing import Any
 
 import horovod.torch as hvd
 import torch
-from horovod.torch.compression import Compression as HorovodCompression
 
 from hvd_compress import mpmd
+from hvd_compress.binding import check_horovod_arguments, resolve_compression, resolve_ps
 from hvd_compress.comm.base import Communicator
 from hvd_compress.comm.horovod_torch import HorovodTorchCommunicator
-from hvd_compress.comm.parameter_server import (
-    PS_ENV,
-    ParameterServerCommunicator,
-    check_spec,
-    connect,
-)
+from hvd_compress.comm.parameter_server import ParameterServerCommunicator, connect
 from hvd_compress.comm.ps_client import check_timeout
-from hvd_compress.compression import Compression
 from hvd_compress.pipeline import Pipeline
 from hvd_compress.policy import Policy
 from hvd_compress.schemes.base import Scheme
@@ -30,51 +24,6 @@ from hvd_compress.stats import CompressionStats, StatsLogger
 from hvd_compress.torch.broadcast import any_dtype_broadcasts
 
 STATE_KEY = "hvd_compress"
-
-
-HOROVOD_EQUIVALENTS: dict[Any, Scheme] = {
-    HorovodCompression.none: Compression.none,
-    HorovodCompression.fp16: Compression.fp16,
-}
-"""Horovod's own compressors (``horovod.torch.Compression``) and the scheme each means."""
-
-
-def resolve_compression(compression: Any) -> Scheme:
-    """The scheme for ``compression=``: a scheme of :class:`hvd_compress.Compression` as
-    it is, Horovod's ``hvd.Compression.none``/``hvd.Compression.fp16`` as
-    ``Compression.none``/``Compression.fp16``, ``None`` as ``Compression.none``; anything
-    else raises ``TypeError`` saying what is accepted."""
-    if compression is None:
-        return Compression.none
-    if isinstance(compression, Scheme):
-        return compression
-    for horovod_compressor, scheme in HOROVOD_EQUIVALENTS.items():
-        if compression is horovod_compressor or type(compression) is horovod_compressor:
-            return scheme
-    accepted = ("compression must be a scheme of hvd_compress.Compression (Compression.none, "
-                "Compression.fp16, Compression.qsgd(bits=4), Compression.parse('topk:ratio="
-                "0.01'), ...) or Horovod's own hvd.Compression.none or hvd.Compression.fp16")
-    if isinstance(compression, type) and issubclass(compression, Scheme):
-        raise TypeError(f"{accepted}; got the class {compression.__name__} itself: call it "
-                        f"with its options, e.g. Compression.{compression.name}()")
-    if isinstance(compression, str):
-        raise TypeError(f"{accepted}; got the string {compression!r}: use "
-                        f"Compression.parse({compression!r})")
-    kind = compression if isinstance(compression, type) else type(compression)
-    what = "the class" if isinstance(compression, type) else "an instance of"
-    raise TypeError(f"{accepted}; got {what} {kind.__module__}.{kind.__qualname__}")
-
-
-def resolve_ps(ps: str | None) -> str | None:
-    """The servers' spec for ``ps=`` (``$HVD_COMPRESS_PS`` when ``None``), checked for
-    syntax (see :func:`~hvd_compress.comm.parameter_server.check_spec`); ``None`` for
-    none (``ps=""`` turns the environment's servers off)."""
-    if ps is None:
-        env = os.environ.get(PS_ENV, "").strip()
-        return check_spec(env, f"${PS_ENV}") if env else None
-    if isinstance(ps, str) and not ps.strip():
-        return None
-    return check_spec(ps, "ps")
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -333,21 +282,14 @@ def DistributedOptimizer(
     Horovod's explicit ``groups``/``num_groups`` are not supported (Horovod's tensor fusion
     still batches small all-reduces), nor is ``op=hvd.Adasum``: both raise ``ValueError``.
     """
-    compression = resolve_compression(compression)
+    compression = resolve_compression(compression, "torch")
     compression.check_optimizer(optimizer)  # e.g. DGC refuses an optimizer with momentum
-    if op not in (hvd.Average, hvd.Sum):
-        raise ValueError("op must be hvd.Average or hvd.Sum; Adasum does not compose with "
-                         "gradient compression")
-    if gradient_predivide_factor != 1.0 and op != hvd.Average:
-        raise ValueError("gradient_predivide_factor is only supported with op=hvd.Average")
-    if backward_passes_per_step <= 0:
-        raise ValueError("backward_passes_per_step must be > 0")
+    check_horovod_arguments(hvd, op=op, gradient_predivide_factor=gradient_predivide_factor,
+                            groups=groups, num_groups=num_groups,
+                            backward_passes_per_step=backward_passes_per_step)
     if bucket_mb is not None and bucket_mb < 0:
         raise ValueError(f"bucket_mb must be >= 0 or None, got {bucket_mb}")
     check_timeout(connect_timeout, "connect_timeout")
-    if groups is not None or num_groups:
-        raise ValueError("groups/num_groups are not supported by hvd_compress's optimizer; "
-                         "omit them (Horovod's tensor fusion still batches small tensors)")
     ps = resolve_ps(ps)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__))
