@@ -18,17 +18,12 @@ import numpy as np
 import tensorflow as tf
 
 from hvd_compress import mpmd
-from hvd_compress.binding import resolve_ps
 from hvd_compress.comm.base import Communicator
 from hvd_compress.comm.parameter_server import ParameterServerCommunicator, connect
 from hvd_compress.tensorflow.comm import BROADCAST, Request, run_requests
 
 SESSION_BYTES = 4
 
-
-resolve = resolve_ps
-"""The one ``ps=`` resolution of both bindings, :func:`hvd_compress.binding.resolve_ps`
-(``None`` for no servers), under the name this module gave it."""
 
 
 def broadcast_session(process_set: Any, root_rank: int = 0) -> str:

@@ -17,12 +17,12 @@ import tensorflow as tf
 import torch
 
 from hvd_compress import Compression, Pipeline, Policy
+from hvd_compress.binding import resolve_ps
 from hvd_compress.comm.base import Communicator
 from hvd_compress.comm.horovod_torch import HorovodTorchCommunicator
 from hvd_compress.comm.parameter_server import ParameterServerCommunicator, connect
 from hvd_compress.tensorflow import compression_state, init
 from hvd_compress.tensorflow.comm import to_tf, to_torch
-from hvd_compress.tensorflow.servers import resolve
 
 
 @contextmanager
@@ -101,7 +101,7 @@ def aggregates(specs: list[str], steps: int = 2, ps_specs: tuple[str, ...] = (),
                 out["communicators"].add(name)
         for i, spec in enumerate(ps_specs):
             comm: Communicator = ParameterServerCommunicator(
-                HorovodTorchCommunicator(), connect(resolve(ps), hvd.rank()), f"torch.{i}")
+                HorovodTorchCommunicator(), connect(resolve_ps(ps), hvd.rank()), f"torch.{i}")
             pipe = Pipeline(Compression.parse(spec), comm, POLICY)
             out[spec]["torch_ps"] = [pipe.reduce(t) for t in inputs]
             for path in ("eager", "function"):
