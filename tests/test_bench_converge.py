@@ -92,3 +92,12 @@ def test_files_and_progress(quick: tuple[Path, list[dict], str]) -> None:
 def test_the_command_line_rejects_an_unknown_task() -> None:
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["converge", "--tasks", "imagenet"])
+
+
+def test_an_unknown_configuration_name_is_refused_with_the_known_ones() -> None:
+    with pytest.raises(SystemExit, match="no configuration named topkk in lm; the names are "
+                       "none, fp16, bf16, powersgd, onebit"):
+        cli.main(["converge", "--tasks", "lm", "--only", "topkk"])
+    plan = converge.Plan.full(["digits"], only=["dgc"])
+    assert [c.name for c in plan.configs] == ["none", "dgc"]
+    assert plan.configs[1].optimizer["momentum"] == 0.0  # DGC carries the momentum

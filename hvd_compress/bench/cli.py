@@ -211,7 +211,10 @@ def _converge(args: argparse.Namespace, argv: Sequence[str]) -> None:
         plan.tasks = {t: s for t, s in plan.tasks.items() if t in args.tasks}
         plan.configs = [c for c in plan.configs if c.task in args.tasks]
     else:
-        plan = converge.Plan.full(args.tasks, steps, args.every, args.only)
+        try:
+            plan = converge.Plan.full(args.tasks, steps, args.every, args.only)
+        except ValueError as err:
+            raise SystemExit(f"--only: {err}") from err
     plan.timeout = args.timeout
     plan.progress = lambda text: print(text, file=sys.stderr, flush=True)
     rows = converge.run(plan)

@@ -177,7 +177,13 @@ class Plan:
         if every is not None:
             for task in settings.values():
                 task["eval_every"] = every
-        configs = [c for task in tasks for c in recommended(task, settings[task]["steps"])
+        every_config = [c for task in tasks for c in recommended(task, settings[task]["steps"])]
+        unknown = sorted(set(only or ()) - {c.name for c in every_config})
+        if unknown:
+            raise ValueError(f"no configuration named {', '.join(unknown)} in "
+                             f"{', '.join(tasks)}; the names are "
+                             f"{', '.join(dict.fromkeys(c.name for c in every_config))}")
+        configs = [c for c in every_config
                    if only is None or c.name in only or c.name == "none"]
         return cls({task: settings[task] for task in tasks}, configs)
 
