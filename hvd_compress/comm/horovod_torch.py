@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import horovod.torch as hvd
-import numpy as np
 import torch
 
 from hvd_compress.comm.base import poll_until, split_gathered
@@ -74,9 +73,10 @@ class HorovodTorchCommunicator:
         if isinstance(op, SparseSum):
             # Each rank's pairs as one frame (the parameter server's format): frames are
             # self-delimiting, so the gathered bytes split back into one frame per rank.
-            frame = encode_sparse_frame(name, self.rank, op)
+            # A writable copy (a few microseconds): torch warns on read-only buffers.
+            frame = bytearray(encode_sparse_frame(name, self.rank, op))
             return _Started(op, hvd.allgather_async(
-                torch.from_numpy(np.frombuffer(frame, np.uint8)), name=name, process_set=ps))
+                torch.frombuffer(frame, dtype=torch.uint8), name=name, process_set=ps))
         if isinstance(op, AllToAll):
             splits = torch.tensor(op.splits, dtype=torch.int32)
             tensor = as_movable(op.tensor.contiguous())
