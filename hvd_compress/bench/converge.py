@@ -109,9 +109,13 @@ def recommended(task: str, steps: int) -> list[Config]:
             # steps); 64 at 3e-3 1.897, at 6e-3 1.815, at 0.012 1.899; 32 at 9e-3 1.784,
             # at 0.015 1.956; 16 at 6e-3 1.800.
             Config(task, "onebit", "onebit:bucket_size=32", {**opt, "lr": 3 * opt["lr"]}),
+            # LoCo's moving-average residual (beta 0.8, DeepSpeed's) against the plain one.
+            Config(task, "onebit-loco", "onebit:bucket_size=32,loco_beta=0.8",
+                   {**opt, "lr": 3 * opt["lr"]}),
             Config(task, "qsgd", "qsgd:bits=8", opt),
             Config(task, "terngrad", "terngrad", doubled),
             Config(task, "topk", "topk:ratio=0.1", sparse),
+            Config(task, "topk-loco", "topk:ratio=0.1,loco_beta=0.8", sparse),
             Config(task, "dgc", "dgc:ratio=0.1,momentum=0.0", sparse),
             # Random-k, by ratio and lr: 0.1 at 3e-3 2.238, at 9.5e-3 2.397; 0.3 at 1.5e-3
             # 2.189, at 3e-3 2.070, at 5.5e-3 2.026.
@@ -140,6 +144,7 @@ def recommended(task: str, steps: int) -> list[Config]:
             Config(task, "qsgd", "qsgd", opt),
             Config(task, "terngrad", "terngrad", opt),
             Config(task, "topk", "topk:ratio=0.01", opt),
+            Config(task, "topk-loco", "topk:ratio=0.01,loco_beta=0.8", opt),
             Config(task, "dgc", "dgc:ratio=0.01,momentum=0.9", no_momentum),
             Config(task, "randomk", "randomk:ratio=0.1", lighter),
             Config(task, "signum", "vote:momentum=0.9",
