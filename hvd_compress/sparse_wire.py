@@ -121,6 +121,12 @@ class Frame:
                 f"{who}")
 
 
+def crc32(data: bytes | bytearray | memoryview | np.ndarray, crc: int = 0) -> int:
+    """``zlib.crc32(data, crc)``, by the native kernel for large buffers (same value)."""
+    native = native_sparse.crc32(data, crc)
+    return zlib.crc32(data, crc) if native is None else native
+
+
 # Index codings -----------------------------------------------------------------------------
 def varint_encode(gaps: np.ndarray) -> np.ndarray:
     """Unsigned LEB128 of each element of ``gaps`` (uint64), concatenated, as uint8."""
@@ -191,9 +197,13 @@ def _gaps(indices: np.ndarray) -> np.ndarray:
     return gaps.astype(np.uint64)
 
 
-def _section_sizes(indices: np.ndarray, numel: int, itemsize: int) -> dict[IndexCoding, int]:
+def _section_sizes(indices: np.ndarray, numel: int, itemsize: int,
+                   varint: int | None = None) -> dict[IndexCoding, int]:
+    """Bytes of the index and value sections in each coding; ``varint`` is the varint
+    section's size when already known."""
     count = indices.size
-    varint = native_sparse.varint_index_nbytes(indices)
+    if varint is None:
+        varint = native_sparse.varint_index_nbytes(indices)
     return {
         IndexCoding.VARINT: (varint_nbytes(_gaps(indices)) if varint is None else varint)
         + count * itemsize,
@@ -202,10 +212,13 @@ def _section_sizes(indices: np.ndarray, numel: int, itemsize: int) -> dict[Index
     }
 
 
+def _smallest(sizes: dict[IndexCoding, int]) -> IndexCoding:
+    return min(sizes, key=lambda coding: (sizes[coding], coding))
+
+
 def choose_coding(indices: np.ndarray, numel: int, itemsize: int) -> IndexCoding:
     """The coding giving the smallest frame for these (valid, increasing) indices."""
-    sizes = _section_sizes(indices, numel, itemsize)
-    return min(sizes, key=lambda coding: (sizes[coding], coding))
+    return _smallest(_section_sizes(indices, numel, itemsize))
 
 
 def pairs_nbytes(indices: np.ndarray, numel: int, dtype: ValueDType | str) -> int:
@@ -239,17 +252,25 @@ def encode_frame(kind: Kind, tensor: str, shard: int, shards: int, round: int, w
     val = np.zeros(0, dtype.numpy) if values is None else np.asarray(values).ravel()
     if idx.size != val.size:
         raise ValueError(f"{idx.size} indices but {val.size} values")
+    varint = None  # the varint section, made first when native: it checks the order too
     if idx.size:
         if idx[0] < 0 or idx[-1] >= numel:
             raise ValueError(f"indices must lie in [0, {numel}), got {idx.min()}..{idx.max()}")
-        if np.any(np.diff(idx) <= 0):
+        try:  # with the first and last index in range, a failure means a gap <= 0
+            varint = native_sparse.varint_encode_indices(idx)
+        except ValueError:
+            varint = None
+            ordered = False
+        else:
+            ordered = varint is not None or not np.any(np.diff(idx) <= 0)
+        if not ordered:
             raise ValueError("indices must be strictly increasing (sorted, no duplicates)")
     val = val.astype(dtype.numpy, copy=False)
     if coding is None:
-        coding = choose_coding(idx, numel, dtype.numpy.itemsize)
+        coding = _smallest(_section_sizes(idx, numel, dtype.numpy.itemsize,
+                                          None if varint is None else varint.nbytes))
     if coding is IndexCoding.VARINT:
-        section = native_sparse.varint_encode_indices(idx)
-        index_section = varint_encode(_gaps(idx)) if section is None else section
+        index_section = varint_encode(_gaps(idx)) if varint is None else varint
     elif coding is IndexCoding.BITMAP:
         bits = np.zeros(bitmap_nbytes(numel) * 8, dtype=bool)
         bits[idx] = True
@@ -263,7 +284,7 @@ def encode_frame(kind: Kind, tensor: str, shard: int, shards: int, round: int, w
     parts = [header, name, index_section, val]  # both contiguous (fresh arrays, ravel)
     crc = 0
     for part in parts:
-        crc = zlib.crc32(part, crc)
+        crc = crc32(part, crc)
     return b"".join([*parts, struct.pack("<I", crc)])  # one copy of the sections
 
 
@@ -285,7 +306,7 @@ def decode_frame(data: bytes | bytearray | memoryview, max_numel: int = MAX_NUME
         raise ValueError(f"unsupported frame version {version}; this build reads version "
                          f"{VERSION} (are client and server the same hvd_compress version?)")
     (stored_crc,) = struct.unpack_from("<I", buf, size - _CRC_BYTES)
-    if zlib.crc32(buf[: size - _CRC_BYTES]) != stored_crc:
+    if crc32(buf[: size - _CRC_BYTES]) != stored_crc:
         raise ValueError(f"CRC mismatch on a {size}-byte frame (corrupt or truncated)")
     kind = _enum(Kind, kind, "kind")
     coding = _enum(IndexCoding, coding, "index coding")

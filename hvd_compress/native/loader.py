@@ -53,6 +53,7 @@ _SPARSE_SIGNATURES: dict[str, tuple] = {
     "varint_nbytes": (_c_ptr, _c_int64),
     "varint_encode": (_c_ptr, _c_int64, _c_ptr),
     "merge_sum": (_c_int64, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_ptr),
+    "crc32": (_c_int64, _c_ptr, _c_int64),
 }
 """Argument types of the ``sparse.cpp`` kernels that return an int64."""
 
