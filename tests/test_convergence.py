@@ -5,6 +5,8 @@ either converges or is refused with an error that says what to change."""
 
 from __future__ import annotations
 
+import warnings
+
 import horovod.torch as hvd
 import pytest
 import torch
@@ -130,6 +132,24 @@ def test_defaults_converge_or_say_why_not(spec: str, optimizer: str) -> None:
     assert max(run.losses) < 2 * run.losses[0], max(run.losses)
     assert run.accuracy > max(80.0, reference.accuracy - 15), (run.accuracy,
                                                                reference.accuracy)
+
+
+@pytest.mark.parametrize("spec", SCHEMES)
+def test_one_bit_and_random_k_warn_with_adam_and_say_what_to_use(spec: str) -> None:
+    """1-bit and random-k hand Adam bursts its second moment takes as noise (on the
+    converge benchmark's transformer 5.8% and 20% above uncompressed): construction warns
+    and names OneBitAdam; the other schemes take AdamW silently."""
+    optimizer = torch.optim.AdamW(_model_params(), lr=1e-3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Compression.parse(spec).check_optimizer(optimizer)
+    messages = [str(w.message) for w in caught if w.category is UserWarning]
+    if spec in ("onebit", "randomk"):
+        assert len(messages) == 1, messages
+        assert "AdamW (betas in parameter group 0)" in messages[0]
+        assert "hvd_compress.torch.OneBitAdam" in messages[0]
+    else:
+        assert messages == []
 
 
 def test_auto_applies_its_schemes_check() -> None:

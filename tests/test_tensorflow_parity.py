@@ -75,6 +75,11 @@ with warnings.catch_warnings(record=True) as caught:
     DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9),
                          compression=Compression.onebit())
 out["onebit_warnings"] = [str(w.message) for w in caught if w.category is UserWarning]
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    DistributedOptimizer(keras.optimizers.AdamW(1e-3), compression=Compression.onebit())
+    DistributedOptimizer(keras.optimizers.AdamW(1e-3), compression=Compression.topk())
+out["onebit_adamw_warnings"] = [str(w.message) for w in caught if w.category is UserWarning]
 
 # Horovod's arguments and compression= values refused, with the PyTorch optimizer's messages.
 from tests.test_binding import ARGUMENT_ERRORS
@@ -258,6 +263,9 @@ def test_schemes_check_keras_optimizers(one_process: dict[str, Any]) -> None:
     assert one_process["vote_sgd_momentum"] is None  # signSGD itself keeps no momentum
     warnings = one_process["onebit_warnings"]
     assert len(warnings) == 1 and "SGD has momentum=0.9" in warnings[0], warnings
+    warnings = one_process["onebit_adamw_warnings"]  # 1-bit warned, top-k not
+    assert len(warnings) == 1 and "AdamW (betas in parameter group 0)" in warnings[0] \
+        and "OneBitAdam" in warnings[0], warnings
 
 
 BF16_SCHEMES = ["none", "fp16", "bf16", "onebit", "qsgd", "terngrad", "powersgd:start_iter=1",

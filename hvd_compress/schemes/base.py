@@ -303,6 +303,25 @@ def warn_heavy_momentum(scheme: Scheme, optimizer: Any, measured: str) -> None:
             f"residual.", UserWarning, stacklevel=3)
 
 
+def warn_adaptive(scheme: Scheme, optimizer: Any, measured: str) -> None:
+    """Warn (``UserWarning``) when a parameter group of ``optimizer`` has ``betas`` (Adam,
+    AdamW and the rest of Adam's family): a scheme that hands Adam gradients whose error
+    feedback arrives in bursts, or whose values are drawn at random, has them taken into
+    Adam's second moment as noise, which shrinks its steps (the reason 1-bit Adam compresses
+    the momentum, after freezing the variance, rather than the gradient). ``measured`` is
+    the scheme's figures."""
+    for index, group in enumerate(getattr(optimizer, "param_groups", [])):
+        if group.get("betas") is not None:
+            warnings.warn(
+                f"{scheme!r} compresses the gradients that the wrapped optimizer "
+                f"{type(optimizer).__name__} (betas in parameter group {index}) divides by "
+                f"their running second moment, which takes the compression's bursts as "
+                f"noise: {measured} Use hvd_compress.torch.OneBitAdam for 1-bit "
+                f"communication with Adam, or top-k, DGC, TernGrad or PowerSGD with this "
+                f"optimizer.", UserWarning, stacklevel=3)
+            return
+
+
 class PackedScheme(Scheme):
     """A scheme whose payloads cannot be summed as they are (bit-packed codes plus scales).
 

@@ -7,7 +7,12 @@ from typing import Any
 import torch
 
 from hvd_compress import native, wire
-from hvd_compress.schemes.base import PackedScheme, bucket_view, warn_heavy_momentum
+from hvd_compress.schemes.base import (
+    PackedScheme,
+    bucket_view,
+    warn_adaptive,
+    warn_heavy_momentum,
+)
 
 
 class OneBit(PackedScheme):
@@ -79,8 +84,10 @@ class OneBit(PackedScheme):
         return signs.mul_(scale)
 
     def check_optimizer(self, optimizer: Any) -> None:
-        """Warns for optimizer momentum of 0.9 or more (:func:`warn_heavy_momentum`)."""
+        """Warns for optimizer momentum of 0.9 or more (:func:`warn_heavy_momentum`) and for
+        Adam's family (:func:`warn_adaptive`)."""
         warn_heavy_momentum(self, optimizer, ONEBIT_MEASURED)
+        warn_adaptive(self, optimizer, ONEBIT_ADAM_MEASURED)
 
     def options(self) -> dict[str, Any]:
         return {"bucket_size": self.bucket_size}
@@ -89,3 +96,7 @@ class OneBit(PackedScheme):
 ONEBIT_MEASURED = ("on digits (2 ranks, SGD lr 0.1, 600 steps) 1-bit reached 61.7% test "
                    "accuracy with momentum 0.9 against 98.6% uncompressed, and 98.1% with "
                    "momentum 0.8.")
+ONEBIT_ADAM_MEASURED = ("on a character transformer (python -m hvd_compress.bench converge, "
+                        "AdamW, 400 steps) the best 1-bit setting tried (bucket_size=32, 3x "
+                        "the lr) ended 5.8% above uncompressed held-out loss, where "
+                        "OneBitAdam ended 0.7% above at 25x fewer bytes.")

@@ -193,9 +193,13 @@ def torch_view(optimizer: keras.optimizers.Optimizer) -> Any:
     Keras ``SGD`` and ``RMSprop`` have a float ``momentum`` (0 when off), as their torch
     namesakes' parameter groups do; other Keras optimizers have none, which reads as 0, as
     the checks read torch's (Adam's ``beta_1`` is not a ``momentum`` in either framework).
-    This is the one place that translates Keras attributes for the checks.
+    Keras optimizers of Adam's family (``beta_1`` and ``beta_2``) get ``betas``, as torch's
+    Adam, AdamW and the rest have. This is the one place that translates Keras attributes
+    for the checks.
     """
-    group = {"momentum": float(getattr(optimizer, "momentum", 0.0) or 0.0)}
+    group: dict[str, Any] = {"momentum": float(getattr(optimizer, "momentum", 0.0) or 0.0)}
+    if hasattr(optimizer, "beta_1") and hasattr(optimizer, "beta_2"):
+        group["betas"] = (float(optimizer.beta_1), float(optimizer.beta_2))
     return type(optimizer.__class__.__name__, (), {"param_groups": [group]})()
 
 
