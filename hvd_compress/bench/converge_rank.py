@@ -27,6 +27,7 @@ import json
 import math
 import time
 import warnings
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -81,24 +82,27 @@ class CharTransformer(nn.Module):
         return self.head(self.norm(h))
 
 
-class Task:
+class Task(ABC):
     """A model, this rank's training batches and the held-out score, for one task."""
 
     name: str
     classes: int
 
+    @abstractmethod
     def model(self, seed: int) -> nn.Module:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def batch(self, generator: torch.Generator) -> Batch:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def held_out(self) -> list[Batch]:
         """This rank's share of the held-out set, in batches."""
-        raise NotImplementedError
 
     def score(self, model: nn.Module, tag: str) -> dict[str, float]:
         """Mean loss (and accuracy, for a classifier) over the whole held-out set: each rank

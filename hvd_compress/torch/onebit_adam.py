@@ -61,6 +61,7 @@ resumes to the same next step.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -75,7 +76,7 @@ from hvd_compress.schemes.base import Scheme
 STATE_KEY = "hvd_compress_onebit_adam"
 
 
-class OneBitMomentum(torch.optim.Optimizer):
+class OneBitMomentum(torch.optim.Optimizer, ABC):
     """What 1-bit Adam and 1-bit LAMB share: a warm-up on gradients averaged by an
     uncompressed all-reduce, then a frozen variance and the momentum exchanged in the
     frozen preconditioner's units by 1-bit compression with error feedback on both sides
@@ -174,9 +175,9 @@ class OneBitMomentum(torch.optim.Optimizer):
         self.global_step += 1
         return loss
 
+    @abstractmethod
     def _warmup_update(self) -> None:
         """One step of the plain optimizer; the gradients are already averaged."""
-        raise NotImplementedError
 
     def _trained(self) -> Iterator[tuple[dict[str, Any], torch.Tensor, dict[str, Any]]]:
         """(group, parameter, its state) of every parameter that requires a gradient, in
@@ -186,12 +187,12 @@ class OneBitMomentum(torch.optim.Optimizer):
                 if p.requires_grad:
                     yield group, p, self.state[p]
 
+    @abstractmethod
     def _apply_momentum(self, p: torch.Tensor, u: torch.Tensor, state: dict[str, Any],
                         group: dict[str, Any], denom: torch.Tensor) -> None:
         """Update ``p`` and its ``state`` from ``u``, the averaged momentum in the frozen
         preconditioner's units (``m = u * denom``; ``state["exp_avg"]`` still holds the
         previous momentum and ``state["step"]`` the previous count)."""
-        raise NotImplementedError
 
     def _compressed_step(self) -> None:
         local: dict[str, torch.Tensor] = {}

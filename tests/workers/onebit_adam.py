@@ -9,6 +9,7 @@ import torch
 
 from hvd_compress.torch import OneBitAdam
 from tests import convergence_harness as harness
+from tests.workers.onebit_lamb import side_by_side
 
 
 def against_adam(freeze_step: int, steps: int) -> dict[str, Any]:
@@ -16,7 +17,6 @@ def against_adam(freeze_step: int, steps: int) -> dict[str, Any]:
     ``hvd.DistributedOptimizer(torch.optim.Adam)``, one by ``OneBitAdam``, on the same
     batches. The parameters of both after each step, and the 1-bit bytes."""
     torch.set_num_threads(1)
-    x, y = harness.digits()[:2]
     initial = harness.make_model().state_dict()
     models = [harness.make_model(), harness.make_model()]
     for model in models:
@@ -25,14 +25,4 @@ def against_adam(freeze_step: int, steps: int) -> dict[str, Any]:
                                     named_parameters=models[0].named_parameters())
     onebit = OneBitAdam(models[1].parameters(), lr=1e-3, freeze_step=freeze_step,
                         named_parameters=models[1].named_parameters())
-    order = torch.Generator().manual_seed(hvd.rank())
-    out: dict[str, Any] = {"adam": [], "onebit": [], "ratio": 0.0}
-    for _ in range(steps):
-        idx = torch.randint(len(x), (32,), generator=order)
-        for model, optimizer, key in ((models[0], adam, "adam"), (models[1], onebit, "onebit")):
-            optimizer.zero_grad()
-            torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
-            optimizer.step()
-            out[key].append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
-    out["ratio"] = onebit.compression_stats.ratio
-    return out
+    return side_by_side(models, adam, onebit, steps, "adam")
