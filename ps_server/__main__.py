@@ -23,7 +23,7 @@ from typing import Any
 from hvd_compress import __version__
 from hvd_compress.ps_protocol import TOKEN_ENV
 from ps_server.service import CHECKPOINT_EVERY, ShardService
-from ps_server.store import MODES, ShardStore, keep_heap
+from ps_server.store import MODES, ShardStore
 
 log = logging.getLogger("ps_server")
 
@@ -232,7 +232,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level, stream=sys.stderr,
         format=f"%(asctime)s ps-server[{shard}/{shards}] %(levelname)s %(message)s")
-    keep_heap()
     store = ShardStore(args.workers, shard, shards, args.mode, args.deadline,
                        args.max_shard_numel, idle_timeout=args.idle_timeout,
                        push_budget=None if args.max_push_mb is None else

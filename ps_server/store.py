@@ -608,32 +608,6 @@ def release_memory() -> None:
         _libc.malloc_trim(0)
 
 
-HEAP_TRIM_BYTES = 128 << 20
-"""Free memory at the top of the heap that glibc keeps rather than returns at once (its
-default, 128 KB, rising with the largest freed ``mmap`` block): every round allocates
-and frees arrays and frames of megabytes, and without this their pages went back to the
-kernel and were faulted in, zeroed, again next round. :func:`release_memory` still gives
-everything back when tensors expire."""
-HEAP_MMAP_BYTES = 32 << 20
-"""Allocations below this come from the heap (the ceiling of glibc's own adaptive
-threshold on 64-bit), so a round's arrays reuse the pages of the last round's instead of
-a fresh ``mmap`` each."""
-
-
-def keep_heap() -> None:
-    """Let this process reuse freed memory across rounds (:data:`HEAP_TRIM_BYTES`,
-    :data:`HEAP_MMAP_BYTES`; glibc's ``mallopt``, a no-op elsewhere). Measured with
-    ``bench ps`` (2 and 8 workers, 1 shard, the same settings given as glibc's
-    environment variables): minor page faults per round 398 -> 107 and 2,747 -> 489, and
-    6-8% fewer server CPU-seconds."""
-    if _libc is not None and hasattr(_libc, "mallopt"):
-        _libc.mallopt(_M_TRIM_THRESHOLD, HEAP_TRIM_BYTES)
-        _libc.mallopt(_M_MMAP_THRESHOLD, HEAP_MMAP_BYTES)
-
-
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
-
-
 def _load_libc() -> Any:
     name = ctypes.util.find_library("c")
     try:
