@@ -10,16 +10,27 @@ gRPC
     ``b"accepted"`` or ``b"duplicate"``. With a token, every call except the standard
     health service carries metadata ``authorization: Bearer <token>``
     (:func:`token_metadata`); the token comes from ``$HVD_COMPRESS_PS_TOKEN``
-    (:data:`TOKEN_ENV`) when not given explicitly.
+    (:data:`TOKEN_ENV`) when not given explicitly. Every push and pull of
+    :class:`~hvd_compress.comm.ps_client.PSClient` also carries the worker's identity,
+    binary metadata :data:`IDENTITY_METADATA` (:func:`identity_metadata`): a random
+    secret the client process draws once, its worker id and the tensor's session. The
+    server binds each (session, worker) to the first secret it sees and refuses, from the
+    metadata alone, a call of that worker carrying another one (``PERMISSION_DENIED``);
+    see :mod:`ps_server.store`.
 MPI (MPMD ``mpirun``)
     After :func:`split_world`, a worker sends pickled ``(op, frame)`` tuples with tag
     :data:`MPI_REQUEST_TAG`, ``op`` one of :data:`MPI_OPS`; the server replies
     ``(code, payload)`` with tag :data:`MPI_REPLY_TAG`, ``code`` :data:`MPI_OK` with the
-    reply bytes, or a gRPC status name with the error message.
+    reply bytes, or a gRPC status name with the error message. A worker's id is its
+    rank among the worker ranks, and the server checks every frame against the rank it
+    came from (the MPI library tells the source of each message, which no process can
+    choose), so MPI needs no identity binding.
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
 import time
 from collections.abc import Callable
 from typing import Any
@@ -32,6 +43,8 @@ PUSH_DUPLICATE = b"duplicate"
 TOKEN_METADATA = "authorization"
 TOKEN_ENV = "HVD_COMPRESS_PS_TOKEN"
 JOB_SIZE_METADATA = "hvd-job-workers"  # the client's number of workers, on every call
+IDENTITY_METADATA = "hvd-worker-identity-bin"  # secret + u32 worker + session (UTF-8)
+WORKER_SECRET_BYTES = 16
 MPI_REQUEST_TAG = 7301
 MPI_REPLY_TAG = 7302
 MPI_OPS = ("push", "pull", "bye")
@@ -41,6 +54,44 @@ MPI_OK = "OK"
 def token_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     """The gRPC call metadata carrying ``token`` (empty without a token)."""
     return ((TOKEN_METADATA, f"Bearer {token}"),) if token else ()
+
+
+def session_of(tensor: str) -> str:
+    """The session of a tensor name: its part before the first ``/`` (the whole name
+    when there is none). :class:`~hvd_compress.comm.parameter_server.ParameterServer`
+    names tensors ``<session>/<collective name>``."""
+    return tensor.split("/", 1)[0]
+
+
+_WORKER = struct.Struct("<I")
+
+
+def identity_metadata(session: str, worker: int, secret: bytes) -> tuple[str, bytes]:
+    """The call metadata saying that this process, known by ``secret``
+    (:data:`WORKER_SECRET_BYTES` random bytes drawn once per client), is worker
+    ``worker`` of ``session``: the secret, the worker id (u32) and the session's UTF-8."""
+    if len(secret) != WORKER_SECRET_BYTES:
+        raise ValueError(f"a worker secret has {WORKER_SECRET_BYTES} bytes, got "
+                         f"{len(secret)}")
+    return IDENTITY_METADATA, secret + _WORKER.pack(worker) + session.encode()
+
+
+def parse_identity(value: bytes) -> tuple[str, int, bytes]:
+    """``(session, worker, key)`` of an :func:`identity_metadata` value, where ``key`` is
+    a 16-byte BLAKE2b digest of the secret (what the server keeps and checkpoints, so its
+    files never hold a secret a reader could reuse). Raises ValueError when ``value``
+    is not such a value."""
+    head = WORKER_SECRET_BYTES + _WORKER.size
+    if not isinstance(value, bytes) or len(value) < head:
+        raise ValueError(f"metadata {IDENTITY_METADATA} must hold a {WORKER_SECRET_BYTES}-"
+                         "byte secret, a u32 worker id and the session name")
+    try:
+        session = value[head:].decode()
+    except UnicodeDecodeError:
+        raise ValueError(f"metadata {IDENTITY_METADATA}: the session name is not UTF-8"
+                         ) from None
+    key = hashlib.blake2b(value[:WORKER_SECRET_BYTES], digest_size=16).digest()
+    return session, _WORKER.unpack_from(value, WORKER_SECRET_BYTES)[0], key
 
 
 def poll_until(ready: Callable[[], bool], longest_sleep: float = 5e-4) -> None:

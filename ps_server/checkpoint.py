@@ -4,18 +4,20 @@ Files, in the checkpoint directory, for shard ``i`` of ``n``:
 
 ``shard-<i>-of-<n>.npz``
     The snapshot: a numpy ``.npz`` (no pickle) holding a JSON ``meta`` entry (the
-    :meth:`~ps_server.store.ShardStore.snapshot` without arrays, plus the journal
-    ``generation`` it continues with) and, per tensor ``j``, arrays ``residual.<j>``,
-    ``indices.<j>`` and ``values.<j>`` when present. Written to a temporary file, flushed
-    to disk (``fsync``) and renamed over the previous one, so a crash at any moment leaves
-    the old or the new snapshot, never a torn one.
+    :meth:`~ps_server.store.ShardStore.snapshot` without arrays, with its worker
+    ``bindings``, plus the journal ``generation`` it continues with) and, per tensor
+    ``j``, arrays ``residual.<j>``, ``indices.<j>`` and ``values.<j>`` when present.
+    Written to a temporary file, flushed to disk (``fsync``) and renamed over the previous
+    one, so a crash at any moment leaves the old or the new snapshot, never a torn one.
 ``shard-<i>-of-<n>.journal-<g>``
     The changes since snapshot generation ``g``: records of ``<u32 body length><u32 CRC-32
     of body>`` then the body, ``<u32 JSON length>``, a JSON list of entries (tensor, round,
-    numel, k, error, dropped, pair count) and each entry's int64 indices and float32 sums
-    back to back. The first record is a JSON object with the server's configuration. Each
-    write appends only the rounds that finished since the previous write (what changed,
-    not every tensor), so its cost follows the traffic, not the number of tensors.
+    numel, k, error, dropped, pair count; a worker bound or freed has an eighth item,
+    ``[worker, key hex or null, first peer, first seen]``, and its session as tensor) and
+    each entry's int64 indices and float32 sums back to back. The first record is a JSON
+    object with the server's configuration. Each write appends only the rounds that
+    finished since the previous write (what changed, not every tensor), so its cost
+    follows the traffic, not the number of tensors.
 
 Restoring loads the snapshot and replays its generation's journal up to the first torn
 or corrupt record (a write cut short by a crash: its rounds were never answered, since
@@ -120,7 +122,8 @@ def save(path: Path, snapshot: dict[str, Any], generation: int = 0) -> int:
                 arrays[f"values.{j}"] = last["values"]
         tensors.append(entry)
     meta = {key: snapshot[key] for key in _CONFIG}
-    meta.update(format=FORMAT, generation=generation, tensors=tensors)
+    meta.update(format=FORMAT, generation=generation, tensors=tensors,
+                bindings=snapshot.get("bindings", []))
     arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
@@ -162,6 +165,7 @@ def load(path: Path) -> dict[str, Any] | None:
                                   "residual": arrays.get(f"residual.{j}"), "last": last}
     snapshot = {key: meta[key] for key in (*_CONFIG, "generation")}
     snapshot["tensors"] = tensors
+    snapshot["bindings"] = meta.get("bindings", [])  # none in snapshots of older servers
     return snapshot
 
 
@@ -188,7 +192,8 @@ class Journal:
         entries, arrays = [], []
         for c in changes:
             count = 0 if c.indices is None else int(c.indices.size)
-            entries.append([c.tensor, c.round, c.numel, c.k, c.error, c.dropped, count])
+            entry = [c.tensor, c.round, c.numel, c.k, c.error, c.dropped, count]
+            entries.append(entry if c.binding is None else [*entry, list(c.binding)])
             if count:
                 arrays += [c.indices.astype(np.int64, copy=False),
                            c.values.astype(np.float32, copy=False)]
@@ -234,11 +239,13 @@ def read_journal(path: Path, config: dict[str, Any]) -> tuple[list[Change], int]
             first = False
             continue
         at = _JSON.size + text_len
-        for tensor, round, numel, k, error, dropped, count in header:
+        for tensor, round, numel, k, error, dropped, count, *bound in header:
             indices = values = None
             if count:
                 indices = np.frombuffer(body, np.int64, count, at)
                 values = np.frombuffer(body, np.float32, count, at + 8 * count)
                 at += 12 * count
-            changes.append(Change(tensor, round, numel, indices, values, k, error, dropped))
+            binding = tuple(bound[0]) if bound else None
+            changes.append(Change(tensor, round, numel, indices, values, k, error, dropped,
+                                  binding))
     return changes, len(data) - offset

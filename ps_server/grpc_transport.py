@@ -14,7 +14,10 @@ the loop.
 Before any request body is read, an interceptor checks the call's metadata: with a
 token, every call but the standard health service (``grpc.health.v1.Health``) must carry
 ``authorization: Bearer <token>``; a call stating its job size
-(:data:`~hvd_compress.ps_protocol.JOB_SIZE_METADATA`) must match ``--workers``. A refused
+(:data:`~hvd_compress.ps_protocol.JOB_SIZE_METADATA`) must match ``--workers``; a call
+carrying a worker identity (:data:`~hvd_compress.ps_protocol.IDENTITY_METADATA`) for a
+worker of a session bound to another process is refused (``PERMISSION_DENIED``, see
+:mod:`ps_server.store`), so an impersonating push never reaches a round. A refused
 call is answered by a streaming handler that never reads the request, so an
 unauthenticated client cannot make the server buffer its message; the refusal is logged
 with the peer's address. Message sizes are capped both ways.
@@ -28,12 +31,19 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent import futures
+from functools import partial
 from typing import Any, Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from hvd_compress.ps_protocol import GRPC_SERVICE, JOB_SIZE_METADATA, TOKEN_METADATA
+from hvd_compress.ps_protocol import (
+    GRPC_SERVICE,
+    IDENTITY_METADATA,
+    JOB_SIZE_METADATA,
+    TOKEN_METADATA,
+    parse_identity,
+)
 from ps_server.service import ShardService
 from ps_server.store import RequestError
 
@@ -71,9 +81,22 @@ def _refusal(code: grpc.StatusCode, message: Callable[[str], str]) -> grpc.RpcMe
     return grpc.stream_unary_rpc_method_handler(refuse)
 
 
+def call_identity(metadata: Any) -> tuple[str, int, bytes] | None:
+    """The parsed :data:`~hvd_compress.ps_protocol.IDENTITY_METADATA` of a call's
+    metadata (pairs), None without one; raises :class:`RequestError` for a bad one."""
+    for key, value in metadata or ():
+        if key == IDENTITY_METADATA:
+            try:
+                return parse_identity(value)
+            except ValueError as err:
+                raise RequestError(str(err)) from None
+    return None
+
+
 class _Gate(grpc.aio.ServerInterceptor):
-    """Refuse, on metadata alone, calls without the right token (health checks excepted)
-    and calls from a job whose size differs from the server's ``--workers``."""
+    """Refuse, on metadata alone, calls without the right token (health checks excepted),
+    calls from a job whose size differs from the server's ``--workers`` and calls for a
+    worker bound to another process."""
 
     def __init__(self, token: str | None, service: FrameHandler) -> None:
         self._expected = None if token is None else f"Bearer {token}".encode()
@@ -102,7 +125,31 @@ class _Gate(grpc.aio.ServerInterceptor):
         if size is not None and store is not None and size != str(store.workers):
             return _refusal(grpc.StatusCode.FAILED_PRECONDITION,
                             lambda peer: self._mismatch(size, peer))
+        if store is not None:
+            refusal = self._bound_elsewhere(details)
+            if refusal is not None:
+                return refusal
         return await continuation(details)
+
+    def _bound_elsewhere(self, details: grpc.HandlerCallDetails
+                         ) -> grpc.RpcMethodHandler | None:
+        """A refusal of a call whose identity is malformed or names a worker bound to
+        another process; None to go on."""
+        try:
+            identity = call_identity(details.invocation_metadata)
+        except RequestError as err:
+            text = str(err)
+            return _refusal(grpc.StatusCode.INVALID_ARGUMENT, lambda peer: text)
+        if identity is None:
+            return None
+        session, worker, key = identity
+        binding = self._service.store.bound_elsewhere(session, worker, key)
+        if binding is None:
+            return None
+        method = details.method.rpartition("/")[2].lower()
+        return _refusal(grpc.StatusCode.PERMISSION_DENIED,
+                        lambda peer: self._service.identity_refused(method, session, worker,
+                                                                    binding, peer))
 
 
     def _mismatch(self, size: str, peer: str) -> str:
@@ -189,12 +236,20 @@ async def _start(service: FrameHandler, bind: str, pull_timeout: float, token: s
     async def refuse(context: grpc.aio.ServicerContext, err: RequestError) -> None:
         await context.abort(grpc.StatusCode[err.code], str(err))
 
+    def identity(context: grpc.aio.ServicerContext) -> dict[str, Any]:
+        """The call's worker identity as keywords of ``service.push``/``decode_pull``
+        (none for a handler without a store, which takes none)."""
+        if store is None:
+            return {}
+        return {"identity": call_identity(context.invocation_metadata())}
+
     async def push(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         try:
+            who = identity(context)
             if len(request) <= INLINE_PUSH_BYTES:
-                return service.push(request, context.peer())
-            return await loop.run_in_executor(executor, service.push, request,
-                                              context.peer())
+                return service.push(request, context.peer(), **who)
+            return await loop.run_in_executor(executor, partial(
+                service.push, request, context.peer(), **who))
         except RequestError as err:
             await refuse(context, err)
 
@@ -206,7 +261,7 @@ async def _start(service: FrameHandler, bind: str, pull_timeout: float, token: s
             if not isinstance(service, ShardService):  # answers at once (no rounds)
                 return await loop.run_in_executor(executor, service.pull, request, peer,
                                                   timeout)
-            frame = service.decode_pull(request, peer)
+            frame = service.decode_pull(request, peer, **identity(context))
             give_up = loop.time() + timeout
             while True:
                 event = waiters.setdefault(frame.tensor, asyncio.Event())

@@ -8,6 +8,11 @@ Every rank first calls :func:`hvd_compress.ps_protocol.split_world` (workers thr
 :class:`~hvd_compress.comm.ps_client.MPIPSClient`). The loop receives ``(op, frame)``
 requests, answers pushes at once and parks pulls until their round finishes or fails;
 it only ever touches MPI from one thread. It returns when every worker has said ``bye``.
+
+Worker identity needs no binding here (unlike gRPC, see :mod:`ps_server.store`): a
+worker's id is its rank's index among the worker ranks, the MPI library tells the server
+which rank each message came from (a process cannot choose its source rank), and every
+frame must name that rank's worker id or it is refused.
 """
 
 from __future__ import annotations

@@ -10,6 +10,13 @@ their pulls be answered (:meth:`~ps_server.store.ShardStore.mark_durable`). Roun
 finish while it writes go into its next record, so under load one write covers many
 rounds. After ``checkpoint_every`` journaled rounds it writes a full snapshot instead and
 starts a new journal, which bounds the journal's length and the time a restart replays.
+
+Identity: a gRPC call may carry its worker's identity, ``(session, worker, key)`` of
+:func:`hvd_compress.ps_protocol.parse_identity`; :meth:`ShardService.push` and
+:meth:`ShardService.decode_pull` check that the frame is for that worker and session and
+claim the binding (:meth:`~ps_server.store.ShardStore.claim`); a call without identity
+is refused for a bound worker. MPI calls pass ``sender`` (the worker of the rank the
+message came from) instead and bind nothing: the rank is the identity.
 """
 
 from __future__ import annotations
@@ -20,11 +27,18 @@ import threading
 import time
 from typing import NoReturn
 
-from hvd_compress.ps_protocol import job_size_mismatch
+from hvd_compress.ps_protocol import job_size_mismatch, session_of
 from hvd_compress.sparse_wire import Frame, Kind, decode_frame
 from ps_server import checkpoint
 from ps_server.metrics import Metrics
-from ps_server.store import JobSizeMismatch, PullTimeout, RequestError, ShardStore
+from ps_server.store import (
+    Binding,
+    JobSizeMismatch,
+    PullTimeout,
+    RequestError,
+    ShardStore,
+    WorkerBound,
+)
 
 log = logging.getLogger("ps_server")
 
@@ -136,10 +150,11 @@ class ShardService:
             log.error("refused %s: %s", peer, err)
         raise err
 
-    def push(self, data: bytes, peer: str, sender: int | None = None) -> bytes:
+    def push(self, data: bytes, peer: str, sender: int | None = None,
+             identity: tuple[str, int, bytes] | None = None) -> bytes:
         """Apply a push; answers ``accepted`` or ``duplicate`` (a retransmission, which
         changes nothing)."""
-        frame = self._decode(data, "push", peer, sender)
+        frame = self._decode(data, "push", peer, sender, identity)
         digest = struct.unpack_from("<I", data, len(data) - 4)[0]  # the frame's CRC
         try:
             accepted = self.store.push(frame, digest, peer)
@@ -157,9 +172,10 @@ class ShardService:
         self.after_requests()
         return ACCEPTED if accepted else DUPLICATE
 
-    def pull(self, data: bytes, peer: str, timeout: float, sender: int | None = None) -> bytes:
+    def pull(self, data: bytes, peer: str, timeout: float, sender: int | None = None,
+             identity: tuple[str, int, bytes] | None = None) -> bytes:
         """Wait for the round to finish and return the aggregate frame."""
-        frame = self._decode(data, "pull", peer, sender)
+        frame = self._decode(data, "pull", peer, sender, identity)
         try:
             result = self.store.pull(frame, timeout)
         except RequestError as err:
@@ -175,8 +191,21 @@ class ShardService:
             self._reject("pull", peer, err)
         return None if result is None else self._sent(result)
 
-    def decode_pull(self, data: bytes, peer: str, sender: int | None = None) -> Frame:
-        return self._decode(data, "pull", peer, sender)
+    def decode_pull(self, data: bytes, peer: str, sender: int | None = None,
+                    identity: tuple[str, int, bytes] | None = None) -> Frame:
+        return self._decode(data, "pull", peer, sender, identity)
+
+    def identity_refused(self, method: str, session: str, worker: int, binding: Binding,
+                         peer: str) -> str:
+        """Count and log (WARNING, both peers) a call refused on its identity metadata
+        alone, unread, because ``worker`` of ``session`` is bound to ``binding``'s
+        process; the message to answer with."""
+        err = WorkerBound(self.store.bound_error(session, worker, binding, peer, False))
+        self.metrics.inc("hvd_ps_requests_total", method=method,
+                         outcome=err.code.lower())
+        self.metrics.rejected(method, err)
+        log.warning("rejected %s from %s before reading it: %s", method, peer, err)
+        return str(err)
 
     def timed_out(self, frame: Frame, peer: str, timeout: float) -> NoReturn:
         """Refuse a pull whose round is still open after ``timeout`` seconds."""
@@ -289,7 +318,10 @@ class ShardService:
         log.debug("checkpoint snapshot %d written to %s", generation, self.checkpoint)
 
     # Internals -----------------------------------------------------------------------------
-    def _decode(self, data: bytes, method: str, peer: str, sender: int | None) -> Frame:
+    def _decode(self, data: bytes, method: str, peer: str, sender: int | None,
+                identity: tuple[str, int, bytes] | None) -> Frame:
+        """The checked frame of a request; with ``sender`` None (not MPI), the call's
+        worker binding claimed (see the module docstring)."""
         self.metrics.inc("hvd_ps_received_bytes_total", len(data))
         try:
             frame = decode_frame(data, self.store.max_numel)
@@ -302,10 +334,25 @@ class ShardService:
         if method == "pull" and frame.count:
             self._reject(method, peer, RequestError(
                 f"{frame.where()}: a pull carries no pairs, this one has {frame.count}"))
-        if sender is not None and frame.worker != sender:
-            self._reject(method, peer, RequestError(
-                f"{frame.where()}: frame claims worker {frame.worker} but came from worker "
-                f"{sender}"))
+        if sender is not None:
+            if frame.worker != sender:
+                self._reject(method, peer, RequestError(
+                    f"{frame.where()}: frame claims worker {frame.worker} but came from "
+                    f"worker {sender}"))
+            return frame
+        session = session_of(frame.tensor)
+        key = None
+        if identity is not None:
+            claimed, worker, key = identity
+            if (claimed, worker) != (session, frame.worker):
+                self._reject(method, peer, RequestError(
+                    f"{frame.where()}: the frame is for worker {frame.worker} of session "
+                    f"{session!r}, but the call's identity is worker {worker} of session "
+                    f"{claimed!r}"))
+        try:
+            self.store.claim(session, frame.worker, key, peer)
+        except WorkerBound as err:
+            self._reject(method, peer, err)
         return frame
 
     def _sent(self, result: bytes) -> bytes:

@@ -33,10 +33,33 @@ the workers resume in agreement. Change records hold the round's *union sum* (no
 top-k aggregate) so that :meth:`ShardStore.replay` recomputes the same aggregate and
 server residual through the same code as the live close.
 
+Worker identity (:meth:`ShardStore.claim`): every gRPC client process draws a random
+secret when it is made and sends it with each call
+(:func:`hvd_compress.ps_protocol.identity_metadata`); the store binds each (session,
+worker) to the first secret it sees (keeping a digest of it, the first peer and the time)
+and refuses any later call for that worker of that session with another secret, or with
+none, as :class:`WorkerBound` (``PERMISSION_DENIED``), naming the first peer. The gRPC
+transport asks :meth:`ShardStore.bound_elsewhere` before the request's body is read, so
+an impersonating push is refused unread and never reaches a round; the content check
+above stays for clients that send no identity. Why a per-process secret, not a key
+derived from the token: every worker holds the same token, so any token holder could
+derive any worker's key; what tells two processes apart is something only one of them
+has. Why not the first connection: a client reconnects (new port, new connection) after
+a network blip or a server restart and must stay the same worker, which the secret does
+since it lives as long as the client. A process that replaces a dead one (a new secret)
+is refused until the session expires; jobs start a new session per run anyway.
+
+Bindings are state like rounds: with ``durable`` a new binding is queued as a change
+record ahead of any round its worker's pushes close, so a round a worker has seen is
+never on disk without the bindings of those who pushed it, and a restarted server keeps
+refusing the same impersonator. A binding not yet written when the server died belonged
+to rounds nobody saw, and is learned again from the first call after the restart.
+
 Idle expiry (``idle_timeout`` seconds, checked by :meth:`ShardStore.expire`): a tensor
 neither pushed nor pulled for that long is dropped with its residual, last aggregate and
 pending pushes, and one INFO line per session (the tensor name's part before ``/``) says
-how many tensors and bytes were freed.
+how many tensors and bytes were freed. A session's bindings go with it: a binding whose
+session has no tensor left and whose worker made no call for ``idle_timeout`` is freed.
 """
 
 from __future__ import annotations
@@ -49,11 +72,13 @@ import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any
 
 import numpy as np
 
 from hvd_compress.native import sparse as native_sparse
+from hvd_compress.ps_protocol import session_of
 from hvd_compress.sparse_wire import (
     SERVER_ID,
     Frame,
@@ -104,6 +129,13 @@ class OverBudget(RequestError):
     code = "RESOURCE_EXHAUSTED"
 
 
+class WorkerBound(RequestError):
+    """A call for a worker of a session that is bound to another process (see the
+    module docstring)."""
+
+    code = "PERMISSION_DENIED"
+
+
 class JobSizeMismatch(RequestError):
     """The client's job has a different number of workers than the server's --workers."""
 
@@ -124,6 +156,25 @@ class Change:
     k: int = 0
     error: str | None = None
     dropped: bool = False
+    binding: tuple[int, str | None, str, float] | None = None
+    """A worker of session ``tensor`` bound: (worker, key as hex, first peer, first seen
+    as Unix time); with key None, freed."""
+
+
+@dataclass
+class Binding:
+    """The process a (session, worker) is bound to: ``key`` is the digest of its secret,
+    ``peer`` and ``since`` (Unix time) its first call, ``touched`` (the store's clock) its
+    last."""
+
+    key: bytes
+    peer: str
+    since: float
+    touched: float
+
+    def record(self, worker: int) -> tuple[int, str, str, float]:
+        """The :attr:`Change.binding` of this binding for ``worker``."""
+        return worker, self.key.hex(), self.peer, self.since
 
 
 @dataclass
@@ -196,6 +247,7 @@ class ShardStore:
         self.push_budget = push_budget
         self.pending_bytes = 0  # decoded pairs held by the pushes of open rounds
         self.tensors: dict[str, TensorState] = {}
+        self.bindings: dict[tuple[str, int], Binding] = {}  # (session, worker) -> process
         self.closed_rounds = 0
         self.failed_rounds = 0
         self.expired_tensors = 0
@@ -269,6 +321,51 @@ class ShardStore:
             error += "; the round had already closed with the first content"
         raise ConflictingPush(error)
 
+    def bound_elsewhere(self, session: str, worker: int, key: bytes | None
+                        ) -> Binding | None:
+        """The binding of ``worker`` of ``session`` if it is to another process than the
+        one with ``key`` (None: a call without identity), else None. Reads one entry
+        without the lock, so a transport may ask before it reads a request's body."""
+        binding = self.bindings.get((session, worker))
+        return None if binding is None or binding.key == key else binding
+
+    def claim(self, session: str, worker: int, key: bytes | None, peer: str) -> None:
+        """Bind ``worker`` of ``session`` to the process with ``key`` if it is unbound,
+        or refuse the call (:class:`WorkerBound`) if it is bound to another process or
+        ``key`` is None (no identity) and it is bound at all. Ids out of range are left
+        to the frame checks; calls without identity bind nothing."""
+        with self._cond:
+            binding = self.bindings.get((session, worker))
+            if binding is None:
+                if key is None or not 0 <= worker < self.workers:
+                    return
+                binding = Binding(key, peer, time.time(), self.clock())
+                self.bindings[session, worker] = binding
+                if self.durable:
+                    self.changes.append(Change(session, binding=binding.record(worker)))
+                log.info("worker %d of session %r bound to the process at %s", worker,
+                         session, peer)
+            elif binding.key == key:
+                binding.touched = self.clock()
+            else:
+                raise WorkerBound(self.bound_error(session, worker, binding, peer,
+                                                   key is None))
+
+    def bound_error(self, session: str, worker: int, binding: Binding, peer: str,
+                    anonymous: bool) -> str:
+        """The refusal of a call from ``peer`` for ``worker`` of ``session``, which is
+        bound to the process of ``binding``."""
+        seen = datetime.fromtimestamp(binding.since, timezone.utc).strftime(
+            "%Y-%m-%d %H:%M:%S UTC")
+        this = "carries no worker identity" if anonymous else "comes from another process"
+        expiry = ("" if self.idle_timeout is None else
+                  f", or this one to expire after {self.idle_timeout:g} s idle")
+        return (f"worker {worker} of session {session!r} (shard {self.shard}/{self.shards}) "
+                f"is bound to another process, first seen from {binding.peer} at {seen}; "
+                f"this call {this} ({peer}): two ranks launched with one worker id, or "
+                "another process using this worker's id? Give each rank its own worker "
+                f"id; a process replacing one that died needs a new session{expiry}")
+
     def try_pull(self, frame: Frame) -> bytes | None:
         """The aggregate frame for ``frame.round``, or None while that round is open."""
         self._check(frame, Kind.PULL)
@@ -319,7 +416,8 @@ class ShardStore:
                 self._notify(tensor)
 
     def replay(self, changes: list[Change]) -> int:
-        """Apply journal records on top of a restored snapshot; how many applied.
+        """Apply journal records on top of a restored snapshot; how many rounds and
+        expiries applied (worker bindings are applied and not counted).
 
         A record at or behind a tensor's open round minus one was already in the
         snapshot and is skipped; one beyond the open round means the journal does not
@@ -328,6 +426,14 @@ class ShardStore:
         applied = 0
         with self._cond:
             for c in changes:
+                if c.binding is not None:
+                    worker, key, peer, since = c.binding
+                    if key is None:
+                        self.bindings.pop((c.tensor, worker), None)
+                    else:
+                        self.bindings[c.tensor, worker] = Binding(bytes.fromhex(key), peer,
+                                                                  since, self.clock())
+                    continue
                 if c.dropped:
                     applied += self.tensors.pop(c.tensor, None) is not None
                     continue
@@ -365,7 +471,8 @@ class ShardStore:
             return self.snapshot(), undurable
 
     def snapshot(self) -> dict[str, Any]:
-        """Everything a restarted server needs: rounds, residuals, last aggregates."""
+        """Everything a restarted server needs: rounds, residuals, last aggregates, and
+        the worker bindings (as :attr:`Change.binding` tuples with the session first)."""
         with self._cond:
             tensors = {}
             for name, s in self.tensors.items():
@@ -377,8 +484,10 @@ class ShardStore:
                         "round": last.round, "error": last.error,
                         "indices": last.indices, "values": last.values},
                 }
+            bindings = [[session, *b.record(worker)]
+                        for (session, worker), b in self.bindings.items()]
             return {"workers": self.workers, "shard": self.shard, "shards": self.shards,
-                    "mode": self.mode, "tensors": tensors}
+                    "mode": self.mode, "tensors": tensors, "bindings": bindings}
 
     def restore(self, snapshot: dict[str, Any]) -> None:
         """Load a :meth:`snapshot`; refuses one from a differently configured server."""
@@ -398,6 +507,9 @@ class ShardStore:
                     numel=t["numel"], round=t["round"], residual=t["residual"], touched=now,
                     last=None if last is None else Finished(
                         last["round"], last["indices"], last["values"], last["error"]))
+            self.bindings = {(session, worker): Binding(bytes.fromhex(key), peer, since, now)
+                             for session, worker, key, peer, since
+                             in snapshot.get("bindings", ())}
 
     def rounds(self) -> dict[str, int]:
         """The open round of every tensor."""
@@ -504,17 +616,43 @@ class ShardStore:
             state = self.tensors.pop(name)
             held = state.nbytes()
             self._release(state)
-            session = freed.setdefault(name.split("/", 1)[0], [0, 0])
+            session = freed.setdefault(session_of(name), [0, 0])
             session[0] += 1
             session[1] += held
             if self.durable:
                 self.changes.append(Change(name, dropped=True))
         self.expired_tensors += len(idle)
+        unbound = self._expire_bindings_locked(now)
         for session, (count, held) in freed.items():
-            log.info("session %r expired after %g s idle: freed %d tensor%s (%d bytes)",
-                     session, self.idle_timeout, count, "" if count == 1 else "s", held)
+            workers = unbound.pop(session, 0)
+            log.info("session %r expired after %g s idle: freed %d tensor%s (%d bytes)%s",
+                     session, self.idle_timeout, count, "" if count == 1 else "s", held,
+                     f" and {workers} worker binding{'' if workers == 1 else 's'}"
+                     if workers else "")
+        for session, workers in unbound.items():
+            log.info("session %r expired after %g s idle: freed %d worker binding%s",
+                     session, self.idle_timeout, workers, "" if workers == 1 else "s")
         if idle:
             release_memory()
+
+    def _expire_bindings_locked(self, now: float) -> dict[str, int]:
+        """Free the bindings idle for ``idle_timeout`` whose session has no tensor left;
+        how many per session."""
+        stale = [key for key, b in self.bindings.items()
+                 if now - b.touched >= self.idle_timeout]
+        if not stale:
+            return {}
+        live = {session_of(name) for name in self.tensors}
+        freed: dict[str, int] = {}
+        for session, worker in stale:
+            if session in live:
+                continue
+            binding = self.bindings.pop((session, worker))
+            freed[session] = freed.get(session, 0) + 1
+            if self.durable:
+                self.changes.append(Change(session, binding=(worker, None, binding.peer,
+                                                             binding.since)))
+        return freed
 
     def _expire_locked(self) -> None:
         now = self.clock()

@@ -34,10 +34,15 @@ load
     at start and end, and the percentiles of a worker's round time (its push to its
     aggregate).
 security
-    No token, a wrong token, a replay of a closed round's push, a second different push
-    for the same (worker, round), eight 100 MB unauthenticated pushes at once (the
-    server's peak RSS measured), a worker id out of range, and TLS misconfigured both
-    ways (wrong CA, TLS to a plain server), with the time each TLS error took.
+    No token, a wrong token, a replay of a closed round's push (by a call without
+    identity, so refused: its worker is bound), a second different push
+    for the same (worker, round) from clients without identity, impersonation (another
+    process, with its own client, and a raw call without identity, pushing as a worker
+    bound to a running client, in a round that worker has not pushed yet: both refused,
+    the first before its body is read, and the round still the exact sum of the real
+    workers' pushes), eight 100 MB unauthenticated pushes at once (the server's peak RSS
+    measured), a worker id out of range, and TLS misconfigured both ways (wrong CA, TLS
+    to a plain server), with the time each TLS error took.
 
 Run it niced on a shared machine (``nice -n 10``); the latencies are measured under
 whatever else runs.
@@ -784,6 +789,69 @@ def self_signed(directory: Path, name: str) -> tuple[Path, Path]:
     return key, cert
 
 
+def impostor_main(argv: list[str]) -> None:
+    """``_impostor ADDRESS TOKEN WORKER TENSOR ROUND``: a process of its own pushing as
+    ``WORKER`` with its own client. Prints ``ready`` once imported, pushes when a line
+    comes on stdin, then prints ``OK`` or the error's gRPC status name."""
+    import torch
+
+    from hvd_compress.comm.ps_client import PSClient, PSError
+
+    address, token, worker, tensor, round = argv
+    client = PSClient(address, int(worker), token=token, workers=2, timeout=20,
+                      retry_timeout=5)
+    print("ready", flush=True)
+    sys.stdin.readline()
+    try:
+        client.push_pull(tensor, int(round), NUMEL, *map(torch.from_numpy, push_pairs(
+            77, tensor, int(round), int(worker))))
+        print("OK", flush=True)
+    except PSError as err:
+        print(err.code, flush=True)
+    finally:
+        client.close()
+
+
+def impersonation(srv: Server, clients: list[Any], round: int) -> dict[str, Any]:
+    """Round ``round`` of ``sec/w``: worker 0 pushes, then another process and a raw call
+    without identity push as worker 1 (bound to ``clients[1]``), then worker 1 pushes."""
+    import grpc
+    import torch
+
+    out: dict[str, Any] = {}
+    tensor = "sec/w"
+    other = subprocess.Popen([sys.executable, "-m", "hvd_compress.bench.reliability",
+                              "_impostor", srv.address, "s3cret-token", "1", tensor,
+                              str(round)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, env=process_env(), cwd=ROOT)
+    try:
+        ready = other.stdout.readline().strip()  # imports done: the deadline is not spent
+        first = clients[0].start(tensor, round, NUMEL, *map(torch.from_numpy,
+                                                            push_pairs(1, tensor, round, 0)))
+        answer, _ = other.communicate("go\n", timeout=60)
+    finally:
+        if other.poll() is None:
+            other.kill()
+            other.wait()
+    out["impersonation_other_process"] = (answer.strip() if ready == "ready" else
+                                          f"the other process failed ({other.returncode})")
+    raw = encode_frame(Kind.PUSH, tensor, 0, 1, round, 1, NUMEL,
+                       *push_pairs(99, tensor, round, 1))
+    with grpc.insecure_channel(srv.address) as channel:
+        out["impersonation_without_identity"] = _code(lambda: channel.unary_unary(
+            f"/{GRPC_SERVICE}/Push")(raw, timeout=10, metadata=token_metadata("s3cret-token")))
+    second = clients[1].push_pull(tensor, round, NUMEL, *map(torch.from_numpy,
+                                                             push_pairs(1, tensor, round, 1)))
+    want = exact_sum(1, tensor, round, 2)
+    out[f"round_{round}_exact_after_impersonation"] = [
+        is_exact(clients[0].finish(first), want), is_exact(second, want)]
+    text = srv.text()
+    out["impersonation_refused_unread"] = bool(re.search(
+        r"WARNING rejected push from \S+ before reading it: worker 1 of session 'sec' .*"
+        r"first seen from \S+", text))
+    return out
+
+
 def security(work: Path) -> dict[str, Any]:
     import grpc
     import torch
@@ -820,23 +888,22 @@ def security(work: Path) -> dict[str, Any]:
             meta = token_metadata("s3cret-token")
             out["replay_closed_round"] = _code(lambda: call(push, timeout=10, metadata=meta))
             out["round_1_exact_after_replay"] = round_of(1)
-            # A second, different push for (worker 0, round 2) from another connection
-            first = clients[0].start("sec/w", 2, NUMEL, *map(torch.from_numpy,
-                                                             push_pairs(1, "sec/w", 2, 0)))
-            time.sleep(0.3)
-            other = encode_frame(Kind.PUSH, "sec/w", 0, 1, 2, 0, NUMEL,
-                                 *push_pairs(99, "sec/w", 2, 0))
+            out.update(impersonation(srv, clients, 2))
+            # A second, different push for (worker 0, round 0) of a session no client
+            # holds, from calls without identity (the content check catches them)
+            pushes = [encode_frame(Kind.PUSH, "raw/w", 0, 1, 0, 0, NUMEL,
+                                   *push_pairs(seed, "raw/w", 0, 0)) for seed in (1, 99)]
+            out["conflicting_push_first_push"] = _code(
+                lambda: call(pushes[0], timeout=10, metadata=meta))
             out["conflicting_push_second_sender"] = _code(
-                lambda: call(other, timeout=10, metadata=meta))
-            bad_worker = encode_frame(Kind.PUSH, "sec/w", 0, 1, 2, 7, NUMEL,
-                                      *push_pairs(1, "sec/w", 2, 0))
+                lambda: call(pushes[1], timeout=10, metadata=meta))
+            pull = encode_frame(Kind.PULL, "raw/w", 0, 1, 0, 0, NUMEL)
+            out["conflicting_push_first_sender"] = _code(lambda: channel.unary_unary(
+                f"/{GRPC_SERVICE}/Pull")(pull, timeout=10, metadata=meta))
+            bad_worker = encode_frame(Kind.PUSH, "sec/w", 0, 1, 3, 7, NUMEL,
+                                      *push_pairs(1, "sec/w", 3, 0))
             out["worker_id_out_of_range"] = _code(
                 lambda: call(bad_worker, timeout=10, metadata=meta))
-        try:
-            clients[0].finish(first)
-            out["conflicting_push_first_sender"] = "OK"
-        except PSError as err:
-            out["conflicting_push_first_sender"] = err.code
         out["conflict_logged_warning"] = bool(re.search(r"WARNING .*(conflict|different)",
                                                         srv.text(), re.IGNORECASE))
         for c in clients:
@@ -881,14 +948,20 @@ def security(work: Path) -> dict[str, Any]:
             out[f"tls_{name}"] = {"result": result,
                                   "seconds": round(time.monotonic() - began, 2)}
     expect = {"no_token": "UNAUTHENTICATED", "wrong_token": "UNAUTHENTICATED",
+              "replay_closed_round": "PERMISSION_DENIED",  # worker 0 is bound
+              "conflicting_push_first_push": "OK accepted",
               "conflicting_push_second_sender": "ALREADY_EXISTS",
               "conflicting_push_first_sender": "ABORTED",
+              "impersonation_other_process": "PERMISSION_DENIED",
+              "impersonation_without_identity": "PERMISSION_DENIED",
               "worker_id_out_of_range": "INVALID_ARGUMENT"}
     problems = [f"{k}: {out[k]} (expected {v})" for k, v in expect.items() if out[k] != v]
-    if out["replay_closed_round"] not in ("FAILED_PRECONDITION", "OK duplicate"):
-        problems.append(f"replay: {out['replay_closed_round']}")
-    if not all(out["round_0_exact"] + out["round_1_exact_after_replay"]):
+    if not all(out["round_0_exact"] + out["round_1_exact_after_replay"] +
+               out["round_2_exact_after_impersonation"]):
         problems.append("a round was not exact")
+    if not out["impersonation_refused_unread"]:
+        problems.append("the other process's push was not refused unread, logged at WARNING "
+                        "with the bound worker's first peer")
     if not out["conflict_logged_warning"]:
         problems.append("the conflicting push was not logged at WARNING")
     big = out["unauthenticated_8x100MB"]
@@ -918,6 +991,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if argv[:1] == ["_load"]:
         load_worker_main(argv[1:])
+        return 0
+    if argv[:1] == ["_impostor"]:
+        impostor_main(argv[1:])
         return 0
     p = argparse.ArgumentParser(prog="python -m hvd_compress.bench.reliability",
                                 description=__doc__.split("\n\n")[0])

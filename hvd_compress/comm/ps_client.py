@@ -19,6 +19,16 @@ TLS handshake failure is not retried. Every tensor's pulls start with its pushes
 on their own, so one tensor waiting or retrying does not hold back the others. Anything
 else raises :class:`PSError` naming the tensor, round, shard and server, and saying what
 it means.
+
+Identity: a :class:`PSClient` draws a random secret when it is made
+(:data:`~hvd_compress.ps_protocol.WORKER_SECRET_BYTES` from :mod:`secrets`) and sends it
+with every push and pull, with its worker id and the tensor's session
+(:func:`~hvd_compress.ps_protocol.identity_metadata`). Each server binds the worker of
+the session to the first secret it sees, so another process using the same worker id
+(two ranks launched with one id, or any token holder) is refused with
+``PERMISSION_DENIED`` before its push is read, while this client's own reconnects and
+retries, which carry the same secret, go on. The MPI client needs none: its worker id is
+its rank.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ import logging
 import os
 import random
 import re
+import secrets
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -46,7 +57,10 @@ from hvd_compress.ps_protocol import (
     MPI_REQUEST_TAG,
     TOKEN_ENV,
     TOKEN_METADATA,
+    WORKER_SECRET_BYTES,
+    identity_metadata,
     poll_until,
+    session_of,
     split_world,
 )
 from hvd_compress.sparse_wire import Kind, ValueDType, decode_frame, encode_frame
@@ -72,6 +86,8 @@ _HINTS = {
     "ALREADY_EXISTS": "another process pushed as this worker: give each rank its own "
                       "worker id",
     "FAILED_PRECONDITION": "the workers and the server disagree on the round or the job",
+    "PERMISSION_DENIED": "another process holds this worker id in this session: give each "
+                         "rank its own worker id",
     "UNAUTHENTICATED": "pass the server's token (token= or $HVD_COMPRESS_PS_TOKEN)",
     "RESOURCE_EXHAUSTED": "the message exceeds the server's --max-message-mb or the "
                           "client's max_message_bytes",
@@ -307,6 +323,12 @@ class PSClient(_ShardedClient):
             (``$HVD_COMPRESS_PS_RETRY_TIMEOUT``, else :data:`RETRY_TIMEOUT`).
         workers: the job's number of workers, sent with every call: a server started
             with another ``--workers`` refuses the first call at once, naming both.
+
+    Each client draws its own secret (see the module docstring), so one client per
+    worker process: a second client made with the same ``worker`` for the same session
+    is another process to the servers and is refused (``PERMISSION_DENIED``) once the
+    first has called. The secret travels in the call metadata beside the token, so it is
+    as exposed as the token: use TLS where the network is not trusted.
     """
 
     def __init__(self, addresses: str | Sequence[str], worker: int, *,
@@ -327,6 +349,8 @@ class PSClient(_ShardedClient):
                                                CONNECT_TIMEOUT, "connect_timeout")
         token = token if token is not None else os.environ.get(TOKEN_ENV)
         self._token = ((TOKEN_METADATA, f"Bearer {token}"),) if token else ()
+        self._secret = secrets.token_bytes(WORKER_SECRET_BYTES)  # this process's identity
+        self._session_metadata: dict[str, tuple[tuple[str, Any], ...]] = {}
         self.job_size = workers
         self._reached = [False] * len(self.addresses)
         options = [("grpc.max_receive_message_length", max_message_bytes),
@@ -371,10 +395,23 @@ class PSClient(_ShardedClient):
         self._job_size = workers
         size = () if workers is None else ((JOB_SIZE_METADATA, str(workers)),)
         self._metadata = self._token + size
+        self._session_metadata.clear()
+
+    def metadata(self, tensor: str) -> tuple[tuple[str, Any], ...]:
+        """The metadata of every call for ``tensor``: the token, the job size and this
+        worker's identity in the tensor's session (made once per session)."""
+        session = session_of(tensor)
+        metadata = self._session_metadata.get(session)
+        if metadata is None:
+            metadata = (*self._metadata,
+                        identity_metadata(session, self.worker, self._secret))
+            self._session_metadata[session] = metadata
+        return metadata
 
     def _send_pushes(self, pending: PendingRound) -> None:
+        metadata = self.metadata(pending.tensor)
         pending.pushed = [self._push_pool.submit(self._push[s], frame, timeout=self.timeout,
-                                                 metadata=self._metadata)
+                                                 metadata=metadata)
                           for s, frame in enumerate(pending.pushes)]
         pending.pulled = [self._pull_pool.submit(self._shard_pull, pending, s)
                           for s in range(len(pending.pulls))]
@@ -388,11 +425,12 @@ class PSClient(_ShardedClient):
         ``connect_timeout`` (a server never reached) or ``retry_timeout`` has passed."""
         grpc, tensor, round = self._grpc, pending.tensor, pending.round
         start, delay, push = time.monotonic(), 0.05, pending.pushed[shard].result
+        metadata = self.metadata(tensor)
         while True:
             try:
                 push()
                 reply = self._pulls[shard](pending.pulls[shard], timeout=self.timeout,
-                                           metadata=self._metadata)
+                                           metadata=metadata)
                 self._reached[shard] = True
                 return reply
             except grpc.RpcError as err:
@@ -413,7 +451,7 @@ class PSClient(_ShardedClient):
                     time.sleep(delay * (1 + 0.2 * random.random()))
                     delay = min(2 * delay, 2.0)
                     push = partial(self._push[shard], pending.pushes[shard],
-                                   timeout=self.timeout, metadata=self._metadata)
+                                   timeout=self.timeout, metadata=metadata)
                     continue
                 if tls:
                     detail = (f"TLS handshake failed: {detail} (check the certificate "
