@@ -132,6 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
     clus.add_argument("--model", choices=sorted(cluster_rank.MODELS),
                       help="the MLP trained (default mlp, 14.7 M parameters)")
     clus.add_argument("--steps", type=_positive_int, help="timed steps (default 12)")
+    clus.add_argument("--repeats", type=_positive_int,
+                      help="launches of every configuration per link, taken in turn (all "
+                      "systems, then all again): their timed steps are pooled into one row, "
+                      "so a slow spell of the shared machine falls on every system alike "
+                      "(default 1)")
     clus.add_argument("--warmup", type=int,
                       help="untimed steps first (default 5: they include PowerSGD's first "
                       "compressed steps, with their new collectives and buffers)")
@@ -245,7 +250,7 @@ def _cluster(args: argparse.Namespace) -> None:
              "ddp": args.ddp, "horovod": args.horovod, "bucket_mb": args.bucket_mb,
              "accuracy_rate": args.accuracy_rate, "epochs": args.epochs, "hidden": args.hidden,
              "horovod_controllers": args.horovod_controllers, "max_epochs": args.max_epochs,
-             "cycle_time_ms": args.cycle_time_ms,
+             "cycle_time_ms": args.cycle_time_ms, "repeats": args.repeats,
              "separate": False if args.shared_processes else None}
     plan = dataclasses.replace(
         plan, latency_ms=args.latency_ms, controller=args.controller, timeout=args.timeout,

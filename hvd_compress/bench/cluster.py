@@ -35,6 +35,8 @@ against DDP with no hook on the same link, in the same run.
 from __future__ import annotations
 
 import json
+import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -45,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hvd_compress.bench.cluster_rank import MODELS, parameter_count
+from hvd_compress.bench.cluster_rank import MODELS, p90, parameter_count
 from hvd_compress.bench.hosts import (
     emulated_hosts,
     host_command,
@@ -94,6 +96,7 @@ class Plan:
     max_epochs: int = 60
     hidden: int = 1024
     timeout: float = 1800
+    repeats: int = 1
     progress: Callable[[str], None] = field(default=lambda text: None)
 
     @classmethod
@@ -286,7 +289,12 @@ def measure_link(plan: Plan, rate: str, digits: bool = False) -> list[Row]:
         servers = _server(addresses[-1], plan.ranks, plan.ranks) if plan.needs_server \
             else None
         try:
-            for index, system in enumerate(plan.systems()):
+            # Step times: every configuration ``repeats`` times, in turn, so that a slow
+            # spell of the shared machine falls on every system alike. Digits: once.
+            launches = plan.systems() * (1 if digits else plan.repeats)
+            for index, system in enumerate(launches):
+                system = System(system.label, system.runs, system.controller,
+                                [dict(c) for c in system.configs])
                 for config in system.configs:
                     if config.pop("server", False):
                         assert servers is not None
@@ -294,7 +302,8 @@ def measure_link(plan: Plan, rate: str, digits: bool = False) -> list[Row]:
                 with tempfile.TemporaryDirectory(prefix="hvdc-cluster-") as tmp:
                     directory = Path(tmp)
                     plan.progress(f"[{rate}] {system.label}: starting {len(system.configs)} "
-                                  f"configuration(s) on {len(workers)} hosts")
+                                  f"configuration(s) on {len(workers)} hosts (launch "
+                                  f"{index + 1} of {len(launches)})")
                     _launch_with_progress(system, plan, workers, directory, 29400 + index,
                                           rate, budget)
                     got = json.loads((directory / "rows.json").read_text())
@@ -319,8 +328,64 @@ def measure_link(plan: Plan, rate: str, digits: bool = False) -> list[Row]:
     if digits:
         add_time_to_target(rows)
     else:
+        rows = pool_runs(rows)
         add_speedups(rows)
     return rows
+
+
+MEAN_FIELDS = ("tx_bytes_per_step", "rx_bytes_per_step", "tx_packets_per_step",
+               "tx_payload_bytes_per_step", "cpu_s_per_step", "payload_bytes", "dense_bytes",
+               "collectives")
+"""Per-step figures of a row that :func:`pool_runs` averages over the launches."""
+
+
+def _mean_dict(dicts: Sequence[dict[str, float]]) -> dict[str, float]:
+    keys = dict.fromkeys(k for d in dicts for k in d)
+    return {k: sum(d.get(k, 0.0) for d in dicts) / len(dicts) for k in keys}
+
+
+def pool_runs(rows: Sequence[Row]) -> list[Row]:
+    """One row per (system, scheme) from the rows of its launches (``Plan.repeats``): the
+    timed steps of all of them (median and p90 over the pool), the per-step bytes, CPU
+    and phases averaged, the replicas agreeing only if they did in every launch. A
+    configuration launched once keeps its row as it is (plus ``runs: 1``)."""
+    groups: dict[tuple[str, str], list[Row]] = {}
+    for row in rows:
+        groups.setdefault((row["system"], row["scheme"]), []).append(row)
+    pooled = []
+    for runs in groups.values():
+        row = dict(runs[0])
+        times = [t for r in runs for t in r["step_times_s"]]
+        row.update(runs=len(runs), step_times_s=times, step_s=statistics.median(times),
+                   step_p90_s=p90(times),
+                   replicas_agree=all(r["replicas_agree"] for r in runs))
+        if len(runs) > 1:
+            row["run_step_s"] = [r["step_s"] for r in runs]
+            for key in MEAN_FIELDS:
+                if all(r.get(key) is not None for r in runs):
+                    row[key] = sum(r[key] for r in runs) / len(runs)
+            for key in ("phases_s", "exchange_s", "collective_bytes"):
+                if all(key in r for r in runs):
+                    row[key] = _mean_dict([r[key] for r in runs])
+        pooled.append(row)
+    return pooled
+
+
+def spread(times: Sequence[float]) -> float:
+    """Step-time spread: p90 over median."""
+    return p90(times) / statistics.median(times)
+
+
+def spread_difference_interval(ours: Sequence[float], theirs: Sequence[float],
+                               resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% bootstrap interval of ``spread(ours) - spread(theirs)``: both samples of step
+    times redrawn with replacement ``resamples`` times (a fixed seed: the same rows give
+    the same interval). An interval holding 0 means the two spreads are not told apart
+    by this many steps."""
+    rng = random.Random(seed)
+    diffs = sorted(spread(rng.choices(ours, k=len(ours)))
+                   - spread(rng.choices(theirs, k=len(theirs))) for _ in range(resamples))
+    return diffs[int(0.025 * resamples)], diffs[int(0.975 * resamples) - 1]
 
 
 def _launch_with_progress(system: System, plan: Plan, workers: list[str], directory: Path,
@@ -505,9 +570,16 @@ def targets(rows: Sequence[Row]) -> list[str]:
                              and h["scheme"] == r["scheme"]), None)
                 if hook is not None:
                     ok = r["spread"] <= hook["spread"]
+                    low, high = spread_difference_interval(r["step_times_s"],
+                                                           hook["step_times_s"])
+                    told = "not told apart" if low <= 0 <= high else "told apart"
+                    difference = r["spread"] - hook["spread"]
+                    counts = f"{len(r['step_times_s'])} and {len(hook['step_times_s'])}"
                     lines.append(f"{'PASS' if ok else 'FAIL'}  {link}: {label(r)} spread "
                                  f"(p90/median) {r['spread']:.2f} <= DDP powerSGD_hook's "
-                                 f"{hook['spread']:.2f}")
+                                 f"{hook['spread']:.2f} (difference {difference:+.2f}, "
+                                 f"95% interval {low:+.2f} to {high:+.2f}: {told}, "
+                                 f"{counts} steps)")
             if r.get("wire_ratio") is not None:
                 ok = abs(r["wire_ratio"] - 1) <= 0.1
                 lines.append(f"{'PASS' if ok else 'FAIL'}  {link}: {label(r)} TCP payload "

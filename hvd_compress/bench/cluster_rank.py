@@ -180,6 +180,13 @@ class _System:
             hvd.allreduce(torch.zeros(1), name=f"cluster.barrier.{tag}")
 
 
+def p90(times: Sequence[float]) -> float:
+    """The 90th percentile of ``times``: the element at rank ``0.9 (n - 1)`` (rounded) of
+    the sorted values, the figure every row's ``step_p90_s`` holds."""
+    ordered = sorted(times)
+    return ordered[min(len(ordered) - 1, round(0.9 * (len(ordered) - 1)))]
+
+
 def _cpu_seconds() -> float:
     """CPU time of this whole process (every thread: Horovod's, Gloo's, the server
     client's) so far."""
@@ -248,7 +255,7 @@ def run_config(system: _System, widths: Sequence[int], config: dict[str, Any], s
     agree = system.replicas_agree(model)
     row = {"scheme": config["scheme"], "settings": settings,
            "step_s": statistics.median(timed),
-           "step_p90_s": timed[min(len(timed) - 1, round(0.9 * (len(timed) - 1)))],
+           "step_p90_s": p90(timed),
            "step_times_s": times[warmup:],
            "tx_bytes_per_step": sent.tx_bytes / steps, "rx_bytes_per_step": sent.rx_bytes / steps,
            "tx_packets_per_step": sent.tx_packets / steps,
