@@ -25,6 +25,7 @@ from hvd_compress.tensorflow.exchange import (
     check_arguments,
     tensor_name,
 )
+from hvd_compress.tensorflow.onebit_adam import OneBitAdam
 
 
 class _DistributedOptimizer(keras.optimizers.Optimizer):
@@ -232,4 +233,4 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self.broadcast_done = True
 
 
-__all__ = ["BroadcastGlobalVariablesCallback", "DistributedOptimizer", "torch_view"]
+__all__ = ["BroadcastGlobalVariablesCallback", "DistributedOptimizer", "OneBitAdam", "torch_view"]
