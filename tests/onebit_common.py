@@ -58,34 +58,38 @@ def step_all(optimizers: list[Any], models: list[torch.nn.Module],
     on_threads(len(models), work)
 
 
-def check_resume_mid_compression(make_ranks: Callable[[int], Ranks], label: str) -> None:
-    """Six steps (frozen after three), a checkpoint, one more step; optimizers built anew
-    from the checkpoint take the same step bit for bit (parameters and optimizer state),
-    and a checkpoint of another ``freeze_step`` is refused naming it. ``make_ranks(
-    freeze_step)``: a model and an optimizer per rank, from the same start; ``label``: the
-    optimizer's class name."""
+def check_resume_mid_compression(make_ranks: Callable[[int], Ranks], label: str,
+                                 option: str = "freeze_step", steps: int = 6,
+                                 after: int = 1) -> None:
+    """``steps`` steps (frozen after three), a checkpoint, ``after`` more steps; optimizers
+    built anew from the checkpoint take the same steps bit for bit (parameters and
+    optimizer state after each), and a checkpoint of another freeze step is refused naming
+    it. ``make_ranks(freeze_step)``: a model and an optimizer per rank, from the same start;
+    ``label``: the optimizer's class name; ``option``: its name for the freeze step."""
     models, optimizers = make_ranks(3)
-    for step in range(6):
+    for step in range(steps):
         step_all(optimizers, models, batches(step))
     saved = [(copy.deepcopy(m.state_dict()), copy.deepcopy(o.state_dict()))
              for m, o in zip(models, optimizers)]
-    step_all(optimizers, models, batches(6))
     resumed_models, resumed = make_ranks(3)
     for model, opt, (model_state, opt_state) in zip(resumed_models, resumed, saved):
         model.load_state_dict(model_state)
         opt.load_state_dict(opt_state)
-        assert opt.frozen and opt.global_step == 6
-    step_all(resumed, resumed_models, batches(6))
-    for a, b in zip(models, resumed_models):
-        assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
-    for a, b in zip(optimizers, resumed):
-        for p, q in zip(a.param_groups[0]["params"], b.param_groups[0]["params"]):
-            for key, value in a.state[p].items():
-                other = b.state[q][key]
-                assert torch.equal(value, other) if torch.is_tensor(value) \
-                    else value == other, key
+        assert opt.frozen and opt.global_step == steps
+    for step in range(steps, steps + after):
+        step_all(optimizers, models, batches(step))
+        step_all(resumed, resumed_models, batches(step))
+        for a, b in zip(models, resumed_models):
+            assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+        for a, b in zip(optimizers, resumed):
+            for p, q in zip(a.param_groups[0]["params"], b.param_groups[0]["params"]):
+                assert a.state[p].keys() == b.state[q].keys()
+                for key, value in a.state[p].items():
+                    other = b.state[q][key]
+                    assert torch.equal(value, other) if torch.is_tensor(value) \
+                        else value == other, (step, key)
     with pytest.raises(ValueError, match=f"{label}: the checkpoint was saved with "
-                                         "freeze_step=3"):
+                                         f"{option}=3"):
         make_ranks(4)[1][0].load_state_dict(saved[0][1])
 
 

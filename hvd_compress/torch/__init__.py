@@ -13,8 +13,9 @@ from hvd_compress.torch.broadcast import broadcast_parameters
 from hvd_compress.torch.onebit_adam import OneBitAdam
 from hvd_compress.torch.onebit_lamb import OneBitLamb
 from hvd_compress.torch.optimizer import DistributedOptimizer, broadcast_optimizer_state, init
+from hvd_compress.torch.zero_one_adam import ZeroOneAdam
 
 _guard(_horovod, "hvd_compress.torch")
 
-__all__ = ["DistributedOptimizer", "OneBitAdam", "OneBitLamb", "broadcast_optimizer_state",
-           "broadcast_parameters", "init"]
+__all__ = ["DistributedOptimizer", "OneBitAdam", "OneBitLamb", "ZeroOneAdam",
+           "broadcast_optimizer_state", "broadcast_parameters", "init"]

@@ -51,7 +51,8 @@ gradient), as in the warm-up. DeepSpeed's default ``freeze_step`` is 100000; the
 freezes after about 15-25% of the training steps (BERT pre-training: 23K of 152K).
 
 The two stages, the exchange and the state dict are :class:`OneBitMomentum`'s, which
-:class:`~hvd_compress.torch.OneBitLamb` shares (only the update differs). The exchange
+:class:`~hvd_compress.torch.OneBitLamb` shares (only the update differs) and
+:class:`~hvd_compress.torch.ZeroOneAdam` extends (0/1 Adam's schedule). The exchange
 happens in :meth:`step` (gradients are not sent from backward hooks): call
 ``loss.backward()`` then ``optimizer.step()`` as with any optimizer, on every rank, with
 the same parameters in the same order. ``state_dict()`` holds Adam's state plus the
@@ -87,10 +88,17 @@ class OneBitMomentum(torch.optim.Optimizer, ABC):
     :meth:`_warmup_update` (one step of the plain optimizer on the averaged gradients) and
     :meth:`_apply_momentum` (the update from the averaged momentum). Its parameter groups
     hold Adam's ``betas``, ``eps`` and ``weight_decay``; its state Adam's ``step``,
-    ``exp_avg`` and ``exp_avg_sq``.
+    ``exp_avg`` and ``exp_avg_sq``. A subclass with another schedule (0/1 Adam,
+    :class:`~hvd_compress.torch.ZeroOneAdam`) also overrides :meth:`_exchanges_gradients`
+    (which steps exchange the gradients uncompressed), :meth:`_denominator` (the
+    preconditioner of a variance that is not frozen once) and :meth:`_compressed_step`,
+    from the pieces :meth:`_local_momenta`, :meth:`_average_momenta` and
+    :meth:`_hold_unseen`.
     """
 
     state_key = STATE_KEY
+    freeze_option = "freeze_step"
+    """The constructor's name for :attr:`freeze_step`, in error messages."""
     decay_in_gradient = True
     """Weight decay added to the gradient before the momentum (Adam's L2), or not (LAMB
     adds it to the update)."""
@@ -164,7 +172,7 @@ class OneBitMomentum(torch.optim.Optimizer, ABC):
             if p.grad.is_sparse:
                 raise TypeError(f"{type(self).__name__}: parameter {self._names[p]!r} has "
                                 "a sparse gradient; it needs dense gradients")
-        if not self.frozen:
+        if self._exchanges_gradients():
             names = {self._names[p]: p for p in params}
             for name, p in names.items():
                 self._warmup.submit(name, p.grad)
@@ -174,6 +182,11 @@ class OneBitMomentum(torch.optim.Optimizer, ABC):
             self._compressed_step()
         self.global_step += 1
         return loss
+
+    def _exchanges_gradients(self) -> bool:
+        """Whether this step averages the gradients uncompressed and runs
+        :meth:`_warmup_update` (otherwise it runs :meth:`_compressed_step`): in the warm-up."""
+        return not self.frozen
 
     @abstractmethod
     def _warmup_update(self) -> None:
@@ -187,6 +200,16 @@ class OneBitMomentum(torch.optim.Optimizer, ABC):
                 if p.requires_grad:
                     yield group, p, self.state[p]
 
+    def _adam_moments(self) -> Iterator[tuple[dict[str, Any], torch.Tensor, dict[str, Any]]]:
+        """:meth:`_trained`, with Adam's state created at a parameter's first step (step
+        0, both moments 0), as ``torch.optim.Adam`` creates it."""
+        for group, p, state in self._trained():
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            yield group, p, state
+
     @abstractmethod
     def _apply_momentum(self, p: torch.Tensor, u: torch.Tensor, state: dict[str, Any],
                         group: dict[str, Any], denom: torch.Tensor) -> None:
@@ -194,7 +217,19 @@ class OneBitMomentum(torch.optim.Optimizer, ABC):
         preconditioner's units (``m = u * denom``; ``state["exp_avg"]`` still holds the
         previous momentum and ``state["step"]`` the previous count)."""
 
-    def _compressed_step(self) -> None:
+    def _denominator(self, state: dict[str, Any], group: dict[str, Any]) -> torch.Tensor:
+        """The frozen preconditioner ``d = sqrt(v / (1 - beta2^k)) + eps`` of a parameter,
+        ``k`` the steps behind its frozen variance (recorded at the first compressed step)."""
+        frozen_at = state.setdefault("frozen_at", float(state["step"]))
+        denom = (state["exp_avg_sq"] / (1 - group["betas"][1] ** frozen_at)).sqrt_()
+        return denom.add_(group["eps"])
+
+    def _local_momenta(self) -> tuple[dict[str, torch.Tensor],
+                                      dict[str, tuple[torch.Tensor, dict[str, Any],
+                                                      dict[str, Any], torch.Tensor]]]:
+        """Each parameter's momentum updated with this rank's gradient, in the frozen
+        preconditioner's units and within Adam's step bound (``u_local`` of the module
+        docstring), by name; and by name its (parameter, state, group, denominator)."""
         local: dict[str, torch.Tensor] = {}
         owners: dict[str, tuple[torch.Tensor, dict[str, Any], dict[str, Any],
                                 torch.Tensor]] = {}
@@ -203,12 +238,9 @@ class OneBitMomentum(torch.optim.Optimizer, ABC):
             if "exp_avg_sq" not in state:
                 raise RuntimeError(
                     f"{type(self).__name__}: parameter {self._names[p]!r} has no second "
-                    "moment to freeze (freeze_step=0, or it never had a gradient in the "
-                    "warm-up); use freeze_step >= 1")
-            # The steps behind the frozen variance: its bias correction stays there.
-            frozen_at = state.setdefault("frozen_at", float(state["step"]))
-            denom = (state["exp_avg_sq"] / (1 - beta2 ** frozen_at)).sqrt_()
-            denom.add_(group["eps"])
+                    f"moment to freeze ({self.freeze_option}=0, or it never had a gradient "
+                    f"in the warm-up); use {self.freeze_option} >= 1")
+            denom = self._denominator(state, group)
             grad = p.grad
             if group["weight_decay"] and self.decay_in_gradient:
                 grad = grad.add(p, alpha=group["weight_decay"])
@@ -218,16 +250,29 @@ class OneBitMomentum(torch.optim.Optimizer, ABC):
             bound = max(1.0, (1 - beta1) / (1 - beta2) ** 0.5)
             local[name] = m.div_(denom).clamp_(-bound, bound)
             owners[name] = (p, state, group, denom)
+        return local, owners
+
+    def _average_momenta(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The ranks' mean of each tensor by the compressed all-reduce (written into the
+        local tensors)."""
         for name, u in local.items():
             self._compressed.submit(name, u)
-        averaged = self._compressed.wait(local)  # written into the local tensors
-        for name, u in averaged.items():
+        return self._compressed.wait(local)
+
+    @staticmethod
+    def _hold_unseen(u: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
+        """``u`` with 0 where the frozen variance is 0 (in place)."""
+        if not bool(state["exp_avg_sq"].all()):
+            # Never a gradient in the warm-up: 1-bit codes still give these elements
+            # +-scale; they stay put, as Adam would leave them.
+            u.masked_fill_(state["exp_avg_sq"] == 0, 0.0)
+        return u
+
+    def _compressed_step(self) -> None:
+        local, owners = self._local_momenta()
+        for name, u in self._average_momenta(local).items():
             p, state, group, denom = owners[name]
-            if not bool(state["exp_avg_sq"].all()):
-                # Never a gradient in the warm-up: 1-bit codes still give these elements
-                # +-scale; they stay put, as Adam would leave them.
-                u.masked_fill_(state["exp_avg_sq"] == 0, 0.0)
-            self._apply_momentum(p, u, state, group, denom)
+            self._apply_momentum(p, self._hold_unseen(u, state), state, group, denom)
 
     # State ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -243,10 +288,11 @@ class OneBitMomentum(torch.optim.Optimizer, ABC):
         state_dict = dict(state_dict)
         extra = state_dict.pop(self.state_key, None)
         if extra is not None and extra["freeze_step"] != self.freeze_step:
+            option = self.freeze_option
             raise ValueError(f"{type(self).__name__}: the checkpoint was saved with "
-                             f"freeze_step={extra['freeze_step']} but this optimizer has "
-                             f"freeze_step={self.freeze_step}; construct it with the same "
-                             "freeze_step")
+                             f"{option}={extra['freeze_step']} but this optimizer has "
+                             f"{option}={self.freeze_step}; construct it with the same "
+                             f"{option}")
         super().load_state_dict(state_dict)
         if extra is not None:
             self._compressed.load_state_dict(extra["compression"])
@@ -285,8 +331,9 @@ class OneBitAdam(OneBitMomentum, torch.optim.Adam):
                  comm: Communicator | None = None, seed: int = 0, **adam_options: Any) -> None:
         for option in ("amsgrad", "maximize", "capturable", "differentiable"):
             if adam_options.get(option):
-                raise ValueError(f"OneBitAdam does not support {option}=True: its frozen "
-                                 "variance and compressed momentum replace Adam's own update")
+                raise ValueError(f"{type(self).__name__} does not support {option}=True: "
+                                 "its frozen variance and compressed momentum replace Adam's "
+                                 "own update")
         self._check_freeze_step(freeze_step)
         torch.optim.Adam.__init__(self, params, lr=lr, betas=betas, eps=eps,
                                   weight_decay=weight_decay, **adam_options)
