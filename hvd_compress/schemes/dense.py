@@ -107,6 +107,11 @@ class FP16(ReadyMade, Scheme):
 
     Stateless, so it also works as ``compression=`` of Horovod's own
     ``hvd.DistributedOptimizer`` (Horovod's Compressor interface).
+
+    The pipeline reports each tensor's rounding error ``||fp16(x) - x|| / ||x||`` (at
+    most ``2**-11``, float16's relative rounding, for values in its normal range): on the
+    CPU from the payload (:meth:`packed`), on the ring from the outcome's ``sent``, this
+    rank's float16 values.
     """
 
     name = "fp16"
@@ -114,11 +119,18 @@ class FP16(ReadyMade, Scheme):
 
     def exchange(self, x: torch.Tensor, state: Mapping[str, torch.Tensor],
                  ctx: ExchangeContext) -> Exchange:
-        if x.device.type == "cpu":
-            return (yield from self._packed.exchange(x, state, ctx))
+        packed = self.packed(x.device)
+        if packed is not None:
+            return (yield from packed.exchange(x, state, ctx))
         half, dtype = self.compress(x)
-        total = yield AllReduce(self.name, half)
-        return Outcome(self.decompress(total, dtype), None, x.numel() * 2)
+        total = yield AllReduce(self.name, half)  # not in place: half is what was sent
+        return Outcome(self.decompress(total, dtype), half, x.numel() * 2)
+
+    def packed(self, device: torch.device) -> HalfPayload | None:
+        """The packed codec whose compressed all-reduce carries the tensors on ``device``
+        (float16 :class:`HalfPayload` on the CPU); ``None`` where they go through the ring
+        all-reduce (other devices)."""
+        return self._packed if device.type == "cpu" else None
 
     def payload_bytes(self, shape: torch.Size) -> int:
         return 2 * shape.numel()

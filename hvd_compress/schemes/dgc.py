@@ -54,6 +54,13 @@ class DGC(Scheme):
     25%, 6.3%, 1.6%, 0.4%, then 0.1%, within 2% of the paper's 75%, 93.75%, 98.4375%,
     99.6%, 99.9% sparsity.
 
+    Diagnostics: ``v`` is DGC's residual, so ``optimizer.compression_feedback`` reports
+    ``||v_new||`` as the tensor's residual norm and ``||v_new|| / ||v||`` as its
+    compression error (``v`` before and ``v_new`` after the entries sent were taken out),
+    and a velocity that keeps growing raises the same
+    :class:`~hvd_compress.feedback.ResidualGrowthWarning` as an error-feedback residual
+    (:meth:`own_residual`).
+
     DGC has no ``loco_beta`` option: what it does not send stays in its velocity ``v``
     (scheme state, reset where sent by momentum factor masking), not in the pipeline's
     error-feedback memory that LoCo's moving average is an option of.
@@ -61,6 +68,7 @@ class DGC(Scheme):
 
     name = "dgc"
     error_feedback = False  # the velocity ``v`` is DGC's own residual
+    residual_name = "velocity"
 
     def __init__(self, ratio: float = 0.001, momentum: float = 0.9,
                  clip_norm: float | None = None, warmup_steps: int = 0,
@@ -113,6 +121,12 @@ class DGC(Scheme):
         # error_feedback: the residual is v).
         sent = Scattered(indices, request.values, x.shape)
         return Outcome(total.view_as(x), sent, nbytes(request), {MOMENTUM: u, VELOCITY: v})
+
+    def own_residual(self, state: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+        """The accumulated velocity ``v`` in a tensor's committed state (what is not sent
+        yet: :class:`~hvd_compress.feedback.KeepsResidual`); ``None`` before its first
+        step."""
+        return state.get(VELOCITY)
 
     def select(self, v: torch.Tensor, k: int, ctx: ExchangeContext) -> torch.Tensor:
         """Indices of at most ``k`` entries of large ``|v|`` by the sampled threshold (the

@@ -38,6 +38,12 @@ class QSGD(PackedScheme):
     (:func:`wire.pack_codes`), then one float32 norm (scale) per bucket. Defaults ``bits=4``,
     ``bucket_size=512``: 32 / (4 + 32/512) = 7.9x smaller than float32.
 
+    Diagnostics: ``optimizer.compression_feedback`` reports each tensor's ``||Q(x) - x|| /
+    ||x||``, large by design for an unbiased quantiser: on digits (2 ranks, SGD lr 0.1
+    momentum 0.9, 300 steps) 0.13 to 0.37 with the defaults (97.2% test accuracy) and 0.45
+    to 1.09 with ``norm="l2"`` (98.6%). It warns of nothing; a change of level within a run
+    is what to look at (:mod:`hvd_compress.feedback` has the other schemes' figures).
+
     ``error_feedback=True`` keeps the quantisation error in a residual (off by default: the
     estimator is unbiased). ``loco_beta`` (only with ``error_feedback=True``): 0 (default)
     keeps the plain residual; in ``(0, 1)``, LoCo's moving average of the compression errors

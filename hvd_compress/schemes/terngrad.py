@@ -38,6 +38,13 @@ class TernGrad(PackedScheme):
     Wire: trits packed five per byte (1.6 bits per element, :func:`wire.pack_trits`), then
     one float32 scale per bucket. Default ``bucket_size=512``: 32 / (1.6 + 32/512) = 19.2x.
 
+    Diagnostics: ``optimizer.compression_feedback`` reports each tensor's ``||T(x) - x|| /
+    ||x||``, which is large by design (``E ||T(v) - v||^2 = sum_i |v_i| (s - |v_i|)`` per
+    bucket): on digits (2 ranks, SGD lr 0.1 momentum 0.9, 300 steps) 0.50 to 0.93 with the
+    default clipping while training reached 97.5%, and 0.98 to 1.88 unclipped. It warns of
+    nothing; a change of level within a run is what to look at
+    (:mod:`hvd_compress.feedback` has the other schemes' figures).
+
     ``loco_beta`` (only with ``error_feedback=True``): 0 (default) keeps the plain residual;
     in ``(0, 1)``, LoCo's moving average of the compression errors with this weight on the
     old residual (:meth:`~hvd_compress.schemes.base.Scheme.loco_option`), applied to the

@@ -173,8 +173,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     @property
     def compression_feedback(self) -> dict[str, Any]:
-        """Per error-feedback tensor, the last step's compression error and residual norm
-        (:meth:`hvd_compress.feedback.ErrorFeedback.report`)."""
+        """Per compressed tensor, its last measured step on this rank
+        (:class:`~hvd_compress.feedback.FeedbackStats`, from
+        :meth:`hvd_compress.feedback.ErrorFeedback.report`): the compression error
+        ``||decode(sent) - x|| / ||x||`` of what the scheme sent against what it was given
+        (``x = g + e`` with error feedback), the residual's norm (error feedback's, DGC's
+        velocity, or 0 for a scheme that keeps none; ``residual`` says which) and its growth
+        against its early size, the scheme and the share of entries sent. Tensors sent
+        dense are not in it. :mod:`hvd_compress.feedback` lists healthy values per scheme;
+        a residual that grows without bound raises
+        :class:`~hvd_compress.feedback.ResidualGrowthWarning` naming the tensor."""
         return self._pipeline.feedback.report()
 
     def log_compression_stats(self, to: Any, every: int = 100,
