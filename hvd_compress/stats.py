@@ -7,15 +7,18 @@ logger that sends it every N steps to TensorBoard or any callable.
 dicts of numbers, :meth:`CompressionStats.scalars` the same flattened to
 ``"prefix/name" -> number`` (the tags a TensorBoard writer takes). Both bindings return it
 from ``optimizer.compression_stats`` / ``compression_totals``; :class:`StatsLogger` is the
-hook behind ``optimizer.log_compression_stats``.
+hook behind ``optimizer.log_compression_stats``. :func:`feedback_scalars` and
+:func:`feedback_summary` do the same for ``optimizer.compression_feedback`` (the per-tensor
+compression errors and residual norms of :mod:`hvd_compress.feedback`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from hvd_compress.feedback import NO_RESIDUAL, FeedbackStats
 from hvd_compress.pipeline import StepStats
 
 
@@ -119,6 +122,37 @@ class CompressionStats:
                 f"{k} {v * 1e3:.1f}" for k, v in
                 sorted(self.seconds.items(), key=lambda item: -item[1])))
         return "\n".join(lines)
+
+
+FEEDBACK_FIELDS = ("compression_error", "residual_norm", "growth", "density")
+"""The per-tensor figures :func:`feedback_scalars` writes."""
+
+
+def feedback_scalars(report: Mapping[str, FeedbackStats],
+                     prefix: str = "hvd_compress") -> dict[str, float]:
+    """A ``compression_feedback`` report flattened to ``{"<prefix>/feedback/<tensor>/
+    <figure>": number}`` for each tensor and each of :data:`FEEDBACK_FIELDS` (the tags a
+    TensorBoard writer takes: ``for tag, value in feedback_scalars(optimizer.
+    compression_feedback).items(): writer.add_scalar(tag, value, step)``). A tensor name's
+    dots stay (``0.weight``): TensorBoard groups tags by their first ``/`` only."""
+    return {f"{prefix}/feedback/{name}/{figure}": float(getattr(stats, figure))
+            for name, stats in report.items() for figure in FEEDBACK_FIELDS}
+
+
+def feedback_summary(report: Mapping[str, FeedbackStats]) -> str:
+    """One line per tensor of a ``compression_feedback`` report: its scheme, compression
+    error, residual norm and what that residual is, its growth against its early size,
+    and the share of entries sent; ``"no compressed tensor"`` for an empty report."""
+    if not report:
+        return "no compressed tensor"
+    width = max(len(name) for name in report)
+    lines = []
+    for name, s in report.items():
+        residual = ("no residual" if s.residual == NO_RESIDUAL
+                    else f"{s.residual} {s.residual_norm:.3g} ({s.growth:.1f}x early)")
+        lines.append(f"{name:<{width}}  {s.scheme or '?'}: error {s.compression_error:.3g}, "
+                     f"{residual}, density {100 * s.density:.3g}%, step {s.steps}")
+    return "\n".join(lines)
 
 
 Sink = Callable[[int, CompressionStats], Any]

@@ -11,7 +11,13 @@ import torch
 
 from hvd_compress import Compression, Policy
 from hvd_compress.pipeline import StepStats
-from hvd_compress.stats import CompressionStats, StatsLogger
+from hvd_compress.stats import (
+    FEEDBACK_FIELDS,
+    CompressionStats,
+    StatsLogger,
+    feedback_scalars,
+    feedback_summary,
+)
 from tests.harness import run_ranks
 from tests.threaded import make_pipelines
 
@@ -143,3 +149,27 @@ def test_optimizer_logs_to_a_callable_and_to_tensorboard() -> None:
             pytest.approx([ratio] * 2)
         assert str(out["last"]).startswith(f"1 step: sent {payload / 1000:.1f} kB")
         assert "per step" in out["totals_str"]
+
+
+def test_feedback_report_as_scalars_and_a_summary() -> None:
+    """Top-k of 2 of (3, -4, 1, 2) drops (1, 2), and float16 rounds 1 + 2^-12 to 1: the
+    scalars carry those exact figures under the tensors' names, the summary one line each."""
+    topk = make_pipelines(Compression.topk(ratio=0.5), 1)[0]
+    topk.reduce({"0.weight": torch.tensor([3.0, -4.0, 1.0, 2.0])})
+    half = make_pipelines(Compression.fp16, 1)[0]
+    half.reduce({"1.weight": torch.tensor([1 + 2**-12, 0.0])})
+    report = {**topk.feedback.report(), **half.feedback.report()}
+    scalars = feedback_scalars(report, "p")
+    assert set(scalars) == {f"p/feedback/{n}/{f}" for n in ("0.weight", "1.weight")
+                            for f in FEEDBACK_FIELDS}
+    assert scalars["p/feedback/0.weight/compression_error"] == pytest.approx((5 / 30) ** 0.5)
+    assert scalars["p/feedback/0.weight/residual_norm"] == pytest.approx(5 ** 0.5)
+    assert scalars["p/feedback/0.weight/density"] == 0.5
+    assert scalars["p/feedback/1.weight/compression_error"] == pytest.approx(
+        2**-12 / (1 + 2**-12), rel=1e-6)
+    assert scalars["p/feedback/1.weight/residual_norm"] == 0.0
+    lines = feedback_summary(report).splitlines()
+    assert lines[0] == ("0.weight  topk: error 0.408, error feedback 2.24 (1.0x early), "
+                        "density 50%, step 1")
+    assert lines[1] == "1.weight  fp16: error 0.000244, no residual, density 100%, step 1"
+    assert feedback_summary({}) == "no compressed tensor"
