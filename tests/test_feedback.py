@@ -137,6 +137,8 @@ def reported(scheme: Scheme, tensors: list[torch.Tensor], steps: int = 1
     """Run ``steps`` steps of ``len(tensors)`` ranks (rank ``r`` sends ``tensors[r]`` as
     ``"w"``, every step); each rank's report of ``"w"``."""
     pipes = make_pipelines(scheme, len(tensors))
+    for pipe in pipes:
+        pipe.report_every = 1
     for _ in range(steps):
         on_threads(len(tensors), lambda r: pipes[r].reduce({"w": tensors[r].clone()}))
     return [p.feedback.report()["w"] for p in pipes]
@@ -253,6 +255,16 @@ def test_a_runaway_dgc_velocity_is_warned_about_and_a_healthy_one_is_not() -> No
 
 def test_report_every_measures_every_nth_step_and_zero_never() -> None:
     x = torch.tensor([1 + 2**-12, 3.0])
+    # By default every 10th step of a tensor (its first included), but DGC's velocity,
+    # one norm of a tensor at hand, at every step.
+    default, dgc = (make_pipelines(scheme, 1)[0] for scheme in (
+        Compression.fp16, Compression.dgc(ratio=0.5, momentum=0.0)))
+    for _ in range(12):
+        default.reduce({"w": x})
+        dgc.reduce({"w": x})
+    assert default.report_every == 10
+    assert default.feedback.report()["w"].steps == 2  # steps 0 and 10
+    assert dgc.feedback.report()["w"].steps == 12
     pipe = make_pipelines(Compression.fp16, 1)[0]
     pipe.report_every = 2
     for _ in range(3):

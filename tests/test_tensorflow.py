@@ -95,6 +95,12 @@ def test_every_scheme_keeps_ranks_identical_after_every_fit_step() -> None:
         assert not np.array_equal(weights[0][0], weights[0][-1]), f"{spec}: nothing trained"
         if spec != "none":
             assert ranks[0][spec]["ratio"] > 1.5, (spec, ranks[0][spec]["ratio"])
+        # compression_feedback names every compressed tensor with its scheme; the step
+        # counts are those measured (every step with a residual, else the first of 10).
+        feedback = ranks[0][spec]["feedback"]
+        assert bool(feedback) == (spec != "none"), (spec, feedback)
+        assert {scheme for scheme, _ in feedback.values()} <= {spec.split(":")[0]}, spec
+        assert all(steps >= 1 for _, steps in feedback.values()), (spec, feedback)
 
 
 def test_stock_horovod_fails_on_keras_3_where_the_binding_works() -> None:

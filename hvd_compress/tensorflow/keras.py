@@ -77,6 +77,13 @@ class _DistributedOptimizer(keras.optimizers.Optimizer):
         exchange = self.hvd_compress_state.exchange
         return CompressionStats.of(exchange.total, exchange.steps)
 
+    @property
+    def compression_feedback(self) -> dict[str, Any]:
+        """Per compressed tensor, its last measured step on this rank, as the PyTorch
+        optimizer's ``compression_feedback`` (:meth:`hvd_compress.feedback.ErrorFeedback.report`:
+        compression error, residual norm and growth, density)."""
+        return self.hvd_compress_state.exchange.pipeline.feedback.report()
+
     def log_compression_stats(self, to: Any, every: int = 100,
                               prefix: str = "hvd_compress") -> None:
         """After every ``every``-th step, send that step's :attr:`compression_stats` to

@@ -26,7 +26,7 @@ def reports(steps: int = 3) -> dict[str, Any]:
         model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 4))
         optimizer = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                          named_parameters=model.named_parameters(),
-                                         compression=scheme)
+                                         compression=scheme, report_every=1)
         data = torch.Generator().manual_seed(100 + hvd.rank())
         local = torch.zeros(0)
         for _ in range(steps):

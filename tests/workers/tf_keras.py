@@ -82,7 +82,9 @@ def fit_steps(specs: list[str], batches: int = 4) -> dict[str, Any]:
             model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
                       callbacks=[BroadcastGlobalVariablesCallback(0), recorder])
             out[spec] = {"weights": recorder.weights,
-                         "ratio": optimizer.compression_totals.ratio}
+                         "ratio": optimizer.compression_totals.ratio,
+                         "feedback": {name: (stats.scheme, stats.steps) for name, stats in
+                                      optimizer.compression_feedback.items()}}
     return out
 
 
