@@ -101,3 +101,30 @@ def test_an_unknown_configuration_name_is_refused_with_the_known_ones() -> None:
     plan = converge.Plan.full(["digits"], only=["dgc"])
     assert [c.name for c in plan.configs] == ["none", "dgc"]
     assert plan.configs[1].optimizer["momentum"] == 0.0  # DGC carries the momentum
+
+
+def test_every_recommended_lm_scheme_takes_adamw_without_a_warning() -> None:
+    """The language model's rows are the schemes' settings for AdamW: each is accepted by
+    its construction check silently (1-bit with its dense warm-up and small buckets; random-k
+    with its explicit opt-out), and 1-bit's warm-up is counted as the row's warm-up."""
+    import warnings
+
+    import torch
+
+    from hvd_compress import Compression
+
+    rows = converge.recommended("lm", converge.LM_TASK["steps"])
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(4))])
+    checked = set()
+    for config in rows:
+        if config.scheme is None or config.optimizer["kind"] != "adamw":
+            continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            Compression.parse(config.scheme).check_optimizer(optimizer)
+        checked.add(config.name)
+    assert {"onebit", "onebit-loco", "randomk"} <= checked
+    for config in rows:
+        if config.name.startswith("onebit") and config.scheme:
+            scheme = Compression.parse(config.scheme)
+            assert scheme.start_iter == config.warmup_steps == converge.LM_TASK["steps"] // 10

@@ -303,20 +303,23 @@ def warn_heavy_momentum(scheme: Scheme, optimizer: Any, measured: str) -> None:
             f"residual.", UserWarning, stacklevel=3)
 
 
-def warn_adaptive(scheme: Scheme, optimizer: Any, measured: str) -> None:
-    """Warn (``UserWarning``) when a parameter group of ``optimizer`` has ``betas`` (Adam,
-    AdamW and the rest of Adam's family): a scheme that hands Adam gradients whose error
-    feedback arrives in bursts, or whose values are drawn at random, has them taken into
-    Adam's second moment as noise, which shrinks its steps (the reason 1-bit Adam compresses
-    the momentum, after freezing the variance, rather than the gradient). ``measured`` is
-    the scheme's figures."""
+def warn_adaptive(scheme: Scheme, optimizer: Any, measured: str, advice: str) -> None:
+    """Warn (``UserWarning``) when a parameter group of ``optimizer`` has ``betas`` (torch's
+    Adam, AdamW and the rest of Adam's family; a Keras optimizer's ``beta_1`` and ``beta_2``
+    reach the check as ``betas`` through :func:`hvd_compress.tensorflow.keras.torch_view`):
+    a scheme that hands Adam gradients whose error feedback arrives in bursts, or whose
+    values are drawn at random, has them taken into Adam's second moment as noise, which
+    shrinks its steps (the reason 1-bit Adam compresses the momentum, after freezing the
+    variance, rather than the gradient). A scheme calls it for its settings not measured to
+    train under Adam: ``measured`` is its figures, ``advice`` (a sentence) the settings that
+    trained; the message also names what else trains with Adam."""
     for index, group in enumerate(getattr(optimizer, "param_groups", [])):
         if group.get("betas") is not None:
             warnings.warn(
                 f"{scheme!r} compresses the gradients that the wrapped optimizer "
                 f"{type(optimizer).__name__} (betas in parameter group {index}) divides by "
                 f"their running second moment, which takes the compression's bursts as "
-                f"noise: {measured} Use hvd_compress.torch.OneBitAdam for 1-bit "
+                f"noise: {measured} {advice} Or use hvd_compress.torch.OneBitAdam for 1-bit "
                 f"communication with Adam, or top-k, DGC, TernGrad or PowerSGD with this "
                 f"optimizer.", UserWarning, stacklevel=3)
             return
