@@ -45,7 +45,7 @@ class OneBit(PackedScheme):
     transformer (AdamW, 400 steps; ``python -m hvd_compress.bench converge``) no setting
     without a warm-up came within 5% of uncompressed held-out loss; with ``start_iter`` at
     10% of the steps and buckets of 128 or fewer elements every setting tried at 2x and 3x
-    the lr ended at most 1% above it (``bucket_size=32``: 0.2% above at 2x, 2.7% below at
+    the lr ended at most 1.0% above it (``bucket_size=32``: 0.2% above at 2x, 2.7% below at
     3x; :data:`ADAM_BUCKET_SIZE`). A likely reason, consistent with these runs but not
     measured apart: with ``beta2 = 0.999`` Adam's bias-corrected second moment is close to
     the mean of the squared gradients of all the steps so far, and the exact early
@@ -147,7 +147,7 @@ ONEBIT_ADAM_MEASURED = ("on a character transformer (python -m hvd_compress.benc
                         "the lr).")
 ONEBIT_ADAM_ADVICE = ("With start_iter at 10% of the steps (the first exchanges of each tensor "
                       "uncompressed, so Adam's second moment starts from exact gradients) and "
-                      "bucket_size of 128 or less it came within 1% at 2x or 3x the lr "
+                      "bucket_size of 128 or less it ended at most 1.0% above at 2x or 3x the lr "
                       "(bucket_size=32: 0.2% above at 2x, 2.7% below at 3x, 14x fewer bytes "
                       "per step after the warm-up): pass both, e.g. "
                       "Compression.onebit(bucket_size=32, start_iter=40) for 400 steps.")
