@@ -29,13 +29,14 @@ class Compression:
     returns the object itself, so both spellings mean the same. The others are constructors
     taking the scheme's options, each documented on its class with the paper's formulas::
 
-        Compression.onebit(bucket_size=2048, loco_beta=0.0)
+        Compression.onebit(bucket_size=2048, loco_beta=0.0, start_iter=0)
         Compression.qsgd(bits=4, bucket_size=512, norm='max', error_feedback=False, loco_beta=0.0)
         Compression.terngrad(bucket_size=512, clip=2.5, error_feedback=False, loco_beta=0.0)
         Compression.powersgd(rank=4, start_iter=10, min_compression_rate=2, warm_start=True,
                              loco_beta=0.0)
         Compression.topk(ratio=0.001, values='fp32', loco_beta=0.0)
-        Compression.randomk(ratio=0.01, loco_beta=0.0)
+        Compression.randomk(ratio=0.01, loco_beta=0.0, error_feedback=True,
+                            unbiased=False, start_iter=0)
         Compression.threshold(tau=1e-3, max_ratio=0.1, values='fp32', loco_beta=0.0)
         Compression.dgc(ratio=0.001, momentum=0.9, clip_norm=None, warmup_steps=0,
                         sample_ratio=0.01, values='fp32')

@@ -178,10 +178,11 @@ def test_every_scheme_keeps_the_moving_average_of_its_errors(
     handed: list[tuple[torch.Tensor, Dense]] = []
     commit = pipe.feedback.commit_sent
 
-    def record(tensor: str, compensated: torch.Tensor, sent: Dense | None) -> None:
+    def record(tensor: str, compensated: torch.Tensor, sent: Dense | None,
+               scheme: str = "") -> None:
         assert sent is not None, f"{name} sent the tensor exactly"
         handed.append((compensated.clone(), sent))
-        commit(tensor, compensated, sent)
+        commit(tensor, compensated, sent, scheme)
 
     monkeypatch.setattr(pipe.feedback, "commit_sent", record)
     gen = torch.Generator().manual_seed(11)
