@@ -163,10 +163,9 @@ def test_converges_like_adam_on_two_ranks() -> None:
     steps = 600
     adam = harness.train(Compression.none, lambda p: torch.optim.Adam(p, lr=1e-3),
                          steps=steps)[0]
-    # Rounds of 8 steps from step 240 on; the last one ends at step 599.
+    # Rounds of 1, 2, 4 steps, then of 8 from step 272 on; the last one ends at step 599.
     (run, optimizer), (other, _) = harness.train_exchanging(
-        _zero_one(var_freeze_step=96, var_update_scaler=8, local_step_scaler=48,
-                  local_step_clipper=8),
+        _zero_one(var_freeze_step=120, local_step_scaler=50, local_step_clipper=8),
         steps=steps)
     assert optimizer.round_end == steps - 1
     assert torch.equal(run.params, other.params)
