@@ -142,6 +142,11 @@ def recommended(task: str, steps: int) -> list[Config]:
             Config(task, "onebit-adam", None,
                    {"kind": "onebit_adam", "lr": opt["lr"], "freeze_step": freeze},
                    warmup_steps=freeze),
+            # 0/1 Adam at 1-bit Adam's freeze and lr; rounds of 1, 2, then 4 steps after it.
+            Config(task, "zero-one-adam", None,
+                   {"kind": "zero_one_adam", "lr": opt["lr"], "var_freeze_step": freeze,
+                    "local_step_scaler": steps // 10, "local_step_clipper": 4},
+                   warmup_steps=freeze),
         ]
     if task == "digits":
         opt = DIGITS_OPTIMIZER

@@ -226,9 +226,10 @@ def build_optimizer(model: nn.Module, config: dict[str, Any]) -> torch.optim.Opt
     options = dict(config["optimizer"])
     kind = options.pop("kind")
     policy = Policy(**config.get("policy", {}))
-    if kind == "onebit_adam":
-        return hvdc.OneBitAdam(model.parameters(), named_parameters=model.named_parameters(),
-                               policy=policy, **options)
+    if kind in ("onebit_adam", "zero_one_adam"):
+        optimizer = hvdc.OneBitAdam if kind == "onebit_adam" else hvdc.ZeroOneAdam
+        return optimizer(model.parameters(), named_parameters=model.named_parameters(),
+                         policy=policy, **options)
     inner = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[kind](model.parameters(),
                                                                      **options)
     return hvdc.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
