@@ -10,7 +10,9 @@ messages: each names the argument, the value given and what to pass instead.
   ``groups``/``num_groups`` and ``backward_passes_per_step``;
 - :func:`resolve_ps`: ``ps=`` and its default ``$HVD_COMPRESS_PS``;
 - :func:`resolve_compression`: ``compression=`` as a scheme, including Horovod's own
-  ``hvd.Compression.none``/``hvd.Compression.fp16`` of the binding's framework.
+  ``hvd.Compression.none``/``hvd.Compression.fp16`` of the binding's framework;
+- :func:`check_wrappable`: the wrapped optimizer is not one that exchanges by itself (the
+  1-bit Adam family).
 
 (``init(ps="mpi")`` of both bindings is :func:`hvd_compress.mpmd.init`, and
 ``connect_timeout=`` is checked by :func:`hvd_compress.comm.ps_client.check_timeout`.)
@@ -131,6 +133,23 @@ def horovod_compressor(compression: Any) -> tuple[str, str] | None:
         if qualified in compressors:
             return framework, compressors[qualified]
     return None
+
+
+AVERAGES_ITSELF = "averages_across_ranks"
+"""A class attribute, true on optimizers that run their own exchange across ranks in
+``step()`` (``OneBitAdam``, ``OneBitLamb``, ``ZeroOneAdam``, Keras ``OneBitAdam``)."""
+
+
+def check_wrappable(optimizer: Any) -> None:
+    """Refuse (``TypeError``) to wrap an optimizer that averages across ranks by itself:
+    wrapped, every step would exchange twice, the second time its already averaged
+    gradients, with the wrapper's scheme on top of its own."""
+    if getattr(optimizer, AVERAGES_ITSELF, False):
+        name = type(optimizer).__name__
+        raise TypeError(f"{name} averages across ranks by itself (its own compressed "
+                        f"exchange in each step): use it as it is, without "
+                        f"DistributedOptimizer, on every rank; its compression= and policy= "
+                        f"arguments choose what it sends")
 
 
 def resolve_compression(compression: Any, framework: str) -> Any:

@@ -12,7 +12,7 @@ import torch
 from hvd_compress import Compression
 from hvd_compress.comm.compressed_allreduce import CHUNK_RESIDUAL
 from hvd_compress.comm.threads import ThreadGroup
-from hvd_compress.torch import OneBitAdam
+from hvd_compress.torch import DistributedOptimizer, OneBitAdam
 from tests import convergence_harness as harness
 from tests.onebit_common import (
     batches,
@@ -114,6 +114,9 @@ def test_bad_options_are_refused_at_construction() -> None:
         OneBitAdam(params, freeze_step=-1, comm=group.communicator(0))
     with pytest.raises(ValueError, match="error feedback"):
         OneBitAdam(params, compression=Compression.qsgd(), comm=group.communicator(0))
+    # It exchanges by itself: wrapped, every step would exchange twice.
+    with pytest.raises(TypeError, match="OneBitAdam averages across ranks by itself"):
+        DistributedOptimizer(OneBitAdam(params, comm=group.communicator(0)))
 
 
 @pytest.mark.multiprocess

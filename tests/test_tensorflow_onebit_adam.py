@@ -110,6 +110,7 @@ def test_bad_arguments_are_refused_at_construction(parity: list[dict[str, Any]])
                                 "got -1e-08"
     assert "weight_decay must be a number >= 0.0, got -0.1" in errors["weight_decay"]
     assert "learning_rate must be >= 0, got -1.0" in errors["learning_rate"]
+    assert errors["wrapped"].startswith("OneBitAdam averages across ranks by itself"), errors
 
 
 @pytest.mark.multiprocess

@@ -15,6 +15,7 @@ import horovod.tensorflow as hvd
 import keras
 import numpy as np
 
+from hvd_compress.binding import check_wrappable
 from hvd_compress.policy import Policy
 from hvd_compress.stats import CompressionStats, StatsLogger
 from hvd_compress.tensorflow.broadcast import broadcast_variables
@@ -171,6 +172,7 @@ def DistributedOptimizer(
     compound), 1-bit and random-k warn for momentum of 0.9 or more.
     """
     del device_dense, device_sparse  # the exchange runs on the gradients' own device
+    check_wrappable(optimizer)  # not OneBitAdam, which exchanges by itself
     compression = check_arguments(
         compression, op, gradient_predivide_factor, groups, num_groups,
         backward_passes_per_step=backward_passes_per_step,

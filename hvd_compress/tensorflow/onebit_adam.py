@@ -140,6 +140,8 @@ class OneBitAdam(keras.optimizers.Adam):
     :class:`~hvd_compress.tensorflow.XLACompileError` when traced under XLA).
     """
 
+    averages_across_ranks = True  # DistributedOptimizer refuses to wrap it (binding.py)
+
     def __init__(self, learning_rate: Any = 1e-3, beta_1: float = 0.9, beta_2: float = 0.999,
                  epsilon: float = 1e-8, weight_decay: float = 0.0, *,
                  freeze_step: int = 100_000, compression: Any = None,

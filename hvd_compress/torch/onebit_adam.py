@@ -96,6 +96,7 @@ class OneBitMomentum(torch.optim.Optimizer, ABC):
     :meth:`_hold_unseen`.
     """
 
+    averages_across_ranks = True  # DistributedOptimizer refuses to wrap it (binding.py)
     state_key = STATE_KEY
     freeze_option = "freeze_step"
     """The constructor's name for :attr:`freeze_step`, in error messages."""

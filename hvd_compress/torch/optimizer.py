@@ -12,7 +12,12 @@ import horovod.torch as hvd
 import torch
 
 from hvd_compress import mpmd
-from hvd_compress.binding import check_horovod_arguments, resolve_compression, resolve_ps
+from hvd_compress.binding import (
+    check_horovod_arguments,
+    check_wrappable,
+    resolve_compression,
+    resolve_ps,
+)
 from hvd_compress.comm.base import Communicator
 from hvd_compress.comm.horovod_torch import HorovodTorchCommunicator
 from hvd_compress.comm.parameter_server import ParameterServerCommunicator, connect
@@ -298,6 +303,7 @@ def DistributedOptimizer(
     Horovod's explicit ``groups``/``num_groups`` are not supported (Horovod's tensor fusion
     still batches small all-reduces), nor is ``op=hvd.Adasum``: both raise ``ValueError``.
     """
+    check_wrappable(optimizer)  # not OneBitAdam & co., which exchange by themselves
     compression = resolve_compression(compression, "torch")
     compression.check_optimizer(optimizer)  # e.g. DGC refuses an optimizer with momentum
     check_horovod_arguments(hvd, op=op, gradient_predivide_factor=gradient_predivide_factor,

@@ -73,7 +73,13 @@ def _construction_errors() -> dict[str, str | None]:
         "beta_1": {"beta_1": 1.0}, "epsilon": {"epsilon": -1e-8},
         "weight_decay": {"weight_decay": -0.1}, "learning_rate": {"learning_rate": -1.0},
         "defaults": {}}
-    return {label: error(**kwargs) for label, kwargs in cases.items()}
+    errors = {label: error(**kwargs) for label, kwargs in cases.items()}
+    try:
+        DistributedOptimizer(OneBitAdam(freeze_step=10))
+        errors["wrapped"] = None
+    except TypeError as exc:
+        errors["wrapped"] = str(exc)
+    return errors
 
 
 def parity(freeze_step: int, steps: int) -> dict[str, Any]:
