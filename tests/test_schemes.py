@@ -145,7 +145,7 @@ def test_parse_rejects_unknown_names_and_options() -> None:
     with pytest.raises(ValueError, match="takes no options"):
         Compression.parse("fp16:bits=3")
     with pytest.raises(ValueError, match=r"scheme 'onebit' has no option 'levels'.*"
-                                         r"its options are bucket_size, loco_beta$"):
+                                         r"its options are bucket_size, loco_beta, start_iter$"):
         Compression.parse("onebit:levels=3")
 
 
