@@ -331,10 +331,10 @@ def test_cluster_bench_repeats_take_turns_and_pool_their_steps(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``--repeats 2``: the systems launch in turn (DDP, ours, DDP, ours), each row pools
     the timed steps of both its launches, and the spread target reports the interval of
-    the difference."""
+    the difference; ``--pin-cores`` runs each rank on one core."""
     powersgd = "powersgd:rank=4,start_iter=2"
-    assert main(["cluster", "--quick", "--repeats", "2", "--schemes", powersgd, "--ddp",
-                 powersgd, "--horovod", "--epochs", "0", "--steps", "4",
+    assert main(["cluster", "--quick", "--repeats", "2", "--pin-cores", "--schemes", powersgd,
+                 "--ddp", powersgd, "--horovod", "--epochs", "0", "--steps", "4",
                  "--json", str(tmp_path / "rows.json"), "--timeout", "300"]) == 0
     rows = json.loads((tmp_path / "rows.json").read_text())
     assert [(r["system"], r["scheme"]) for r in rows] == [("ddp", powersgd),
@@ -342,6 +342,7 @@ def test_cluster_bench_repeats_take_turns_and_pool_their_steps(
     for row in rows:
         assert row["runs"] == 2 and len(row["run_step_s"]) == 2
         assert len(row["step_times_s"]) == 8 and row["replicas_agree"]
+        assert len(row["cpu_affinity"]) == 1  # --pin-cores: rank 0 on one core
         assert min(row["run_step_s"]) <= row["step_p90_s"] <= max(row["step_times_s"])
     printed = capsys.readouterr()
     starts = [line.split(": ")[0].split("] ")[1] for line in printed.err.splitlines()

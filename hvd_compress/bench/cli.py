@@ -137,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
                       "systems, then all again): their timed steps are pooled into one row, "
                       "so a slow spell of the shared machine falls on every system alike "
                       "(default 1)")
+    clus.add_argument("--pin-cores", action="store_true",
+                      help="pin every rank of every system to one core (rank r to core r "
+                      "modulo the cores), so that each emulated host keeps its share of the "
+                      "CPU instead of the scheduler moving ranks between cores")
     clus.add_argument("--warmup", type=int,
                       help="untimed steps first (default 5: they include PowerSGD's first "
                       "compressed steps, with their new collectives and buffers)")
@@ -251,6 +255,7 @@ def _cluster(args: argparse.Namespace) -> None:
              "accuracy_rate": args.accuracy_rate, "epochs": args.epochs, "hidden": args.hidden,
              "horovod_controllers": args.horovod_controllers, "max_epochs": args.max_epochs,
              "cycle_time_ms": args.cycle_time_ms, "repeats": args.repeats,
+             "pin_cores": args.pin_cores or None,
              "separate": False if args.shared_processes else None}
     plan = dataclasses.replace(
         plan, latency_ms=args.latency_ms, controller=args.controller, timeout=args.timeout,

@@ -97,6 +97,7 @@ class Plan:
     hidden: int = 1024
     timeout: float = 1800
     repeats: int = 1
+    pin_cores: bool = False
     progress: Callable[[str], None] = field(default=lambda text: None)
 
     @classmethod
@@ -199,6 +200,8 @@ def _rank_argv(system: System, plan: Plan, directory: Path, deadline: float,
             "--digits-hidden", str(plan.hidden),
             "--out", str(directory / "rows.json"), "--progress", str(directory / "progress"),
             "--stacks-at", str(deadline), "--stacks-dir", str(directory)]
+    if plan.pin_cores:
+        argv.append("--pin-cores")
     if digits is not None and digits.budget_s is not None:
         argv += ["--digits-budget-s", str(digits.budget_s), "--digits-max-epochs",
                  str(plan.max_epochs)]

@@ -263,7 +263,8 @@ def run_config(system: _System, widths: Sequence[int], config: dict[str, Any], s
            "cpu_s_per_step": cpu,
            "phases_s": {name: total / steps for name, total in phases.items()},
            "exchange_s": {part: total / steps for part, total in exchange.items()},
-           "replicas_agree": agree, **_stats(optimizer)}
+           "replicas_agree": agree, "cpu_affinity": sorted(os.sched_getaffinity(0)),
+           **_stats(optimizer)}
     return row
 
 
@@ -353,9 +354,15 @@ def main(argv: Sequence[str] | None = None) -> None:
                         "or --digits-target accuracy")
     parser.add_argument("--digits-target", type=float)
     parser.add_argument("--digits-max-epochs", type=int)
+    parser.add_argument("--pin-cores", action="store_true",
+                        help="run on one core only, rank r on the r-th core this process may "
+                        "use (modulo their number), with every thread it starts")
     args = parser.parse_args(argv)
     rank_hint = os.environ.get("HOROVOD_RANK") or os.environ.get("RANK") \
         or os.environ.get("OMPI_COMM_WORLD_RANK", "x")
+    if args.pin_cores and rank_hint.isdigit():
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[int(rank_hint) % len(cores)]})
     stacks = (args.stacks_dir / f"stacks-rank{rank_hint}.txt").open("w")
     faulthandler.dump_traceback_later(max(args.stacks_at - time.time(), 0.1), file=stacks)
     torch.set_num_threads(1)
