@@ -9,6 +9,7 @@ import torch
 
 from hvd_compress.comm.ops import AllReduce
 from hvd_compress.schemes.base import Exchange, ExchangeContext, LowRank, Outcome, Scheme
+from hvd_compress.schemes.warmup import check_start_iter, dense_warmup
 
 Q_STATE = "q"
 
@@ -56,10 +57,8 @@ class PowerSGD(Scheme):
                  warm_start: bool = True, loco_beta: float = 0.0) -> None:
         if rank < 1:
             raise ValueError(f"powersgd: rank must be >= 1, got {rank}")
-        if start_iter < 0:
-            raise ValueError(f"powersgd: start_iter must be >= 0, got {start_iter}")
         self.rank = rank
-        self.start_iter = start_iter
+        self.start_iter = check_start_iter(self.name, start_iter)
         self.min_compression_rate = min_compression_rate
         self.warm_start = warm_start
         self.loco_beta = self.loco_option(loco_beta)
@@ -84,8 +83,7 @@ class PowerSGD(Scheme):
     def exchange(self, x: torch.Tensor, state: Mapping[str, torch.Tensor],
                  ctx: ExchangeContext) -> Exchange:
         if ctx.step < self.start_iter:
-            total = yield AllReduce("dense", x)
-            return Outcome(total, None, x.numel() * 4, dict(state))
+            return (yield from dense_warmup(x, state))
 
         n, m = self.matrix_shape(x.shape)
         r = self._rank_for(x.shape)
