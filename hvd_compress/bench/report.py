@@ -49,7 +49,8 @@ class Target:
         return all(row.get(key) == want for key, want in self.where.items())
 
     def met(self, row: Row) -> bool:
-        return _OPS[self.op](row[self.metric], self.value)
+        """Whether the row meets it; a metric that was not measured (``None``) does not."""
+        return row[self.metric] is not None and _OPS[self.op](row[self.metric], self.value)
 
     def __str__(self) -> str:
         return f"{self.metric} {self.op} {self.value:g}"
@@ -65,6 +66,10 @@ def format_table(rows: Sequence[Row], columns: Sequence[Column]) -> str:
     return "\n".join(lines)
 
 
+def _figure(value: float | None) -> str:
+    return "not measured" if value is None else f"{value:.4g}"
+
+
 def check_targets(rows: Sequence[Row], targets: Sequence[Target]) -> list[str]:
     """One PASS/FAIL line per (target, matching row); the rows gain ``target`` and
     ``target_met``. Targets no row matches (sizes or layer sets not run) are skipped."""
@@ -75,7 +80,7 @@ def check_targets(rows: Sequence[Row], targets: Sequence[Target]) -> list[str]:
             row["target"], row["target_met"] = str(target), met
             where = ", ".join(f"{k}={v}" for k, v in target.where.items())
             lines.append(f"{'PASS' if met else 'FAIL'}  {where}: "
-                         f"{target.metric} = {row[target.metric]:.4g}, target {target}")
+                         f"{target.metric} = {_figure(row[target.metric])}, target {target}")
     return lines
 
 
