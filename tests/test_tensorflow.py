@@ -31,6 +31,7 @@ EXCHANGE_SPECS = ["none", "fp16", "bf16", "onebit:bucket_size=64", "qsgd:bucket_
 # all-reduces the values).
 SPARSE_SPECS = ["topk:ratio=0.01", "topk:ratio=0.05,values=fp16", "dgc:ratio=0.01"]
 STATEFUL_SPECS = ["onebit", "qsgd", "powersgd:rank=2,start_iter=1", "dgc:ratio=0.01"]
+NO_RESIDUAL = {"qsgd"}  # of STATEFUL_SPECS, the scheme without error feedback by default
 DIGITS_SPECS = ["none", "fp16", "onebit", "qsgd", "powersgd", "topk:ratio=0.01"]
 
 
@@ -139,6 +140,18 @@ def test_traced_step_equals_eager_and_checkpoints_resume_exactly() -> None:
             for step, (a, b) in enumerate(zip(eager["weights"], traced["weights"])):
                 assert np.array_equal(a, b), f"{spec} rank {rank}: tf.function differs at {step}"
             assert np.array_equal(traced["resumed"], traced["weights"][-1]), spec
+            # compression_feedback of the tape names every compressed tensor with its
+            # scheme. With report_every=1 (eager) the schemes without error feedback are
+            # measured at every step, with the default 10 (traced) at the first only;
+            # those with a residual (and DGC's velocity) at every step either way.
+            name = spec.split(":")[0]
+            assert eager["feedback"], spec
+            assert eager["feedback"].keys() == traced["feedback"].keys(), spec
+            for tensor, (scheme, steps) in eager["feedback"].items():
+                assert scheme == name, (spec, tensor, scheme)
+                assert steps == 3, (spec, tensor, steps)  # each of the 3 batches
+                assert traced["feedback"][tensor][1] == (
+                    1 if name in NO_RESIDUAL else steps), (spec, tensor)
             # Without the compression state the next step differs: the test can tell.
             assert not np.array_equal(traced["resumed_without_state"], traced["weights"][-1])
             for how in ("keras_checkpoint", "keras_file"):

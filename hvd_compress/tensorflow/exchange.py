@@ -102,18 +102,20 @@ class GradientExchange:
                  gradient_predivide_factor: float = 1.0, process_set: Any = None,
                  policy: Policy | None = None, seed: int = 0,
                  sparse_as_dense: bool = False, ps: str | None = None,
-                 connect_timeout: float | None = None) -> None:
+                 connect_timeout: float | None = None, report_every: int = 10) -> None:
         self.process_set = process_set if process_set is not None else hvd.global_process_set
         self.options = self.normalize(
             {"op": op, "gradient_predivide_factor": gradient_predivide_factor,
              "process_set": self.process_set, "policy": policy, "seed": seed,
-             "sparse_as_dense": sparse_as_dense, "ps": ps, "connect_timeout": connect_timeout})
+             "sparse_as_dense": sparse_as_dense, "ps": ps, "connect_timeout": connect_timeout,
+             "report_every": report_every})
         self.ps = self.options["ps"]
         self.sparse_as_dense = sparse_as_dense
         comm = with_servers(HorovodTFCommunicator(self.process_set), self.ps, self.process_set,
                             self.options["connect_timeout"])
         self.pipeline = Pipeline(compression, comm, policy, average=(op == hvd.Average),
-                                 prescale=gradient_predivide_factor, seed=seed)
+                                 prescale=gradient_predivide_factor, seed=seed,
+                                 report_every=report_every)
         self.steps = 0  # completed exchanges
         self.stats_logger: StatsLogger | None = None  # called after each (see keras.py)
 
@@ -168,6 +170,13 @@ class GradientExchange:
         return self.pipeline.last_step
 
     @property
+    def compression_feedback(self) -> dict[str, Any]:
+        """Per compressed tensor, its last measured step on this rank
+        (:meth:`hvd_compress.feedback.ErrorFeedback.report`: compression error, residual
+        norm and growth, density), as the optimizers' ``compression_feedback``."""
+        return self.pipeline.feedback.report()
+
+    @property
     def total(self) -> StepStats:
         return self.pipeline.total
 
@@ -203,6 +212,12 @@ class CompressionState(tf.train.experimental.PythonState):
                 "state from step to step, so give each configuration its own compression "
                 "object")
         return self.exchange
+
+    @property
+    def compression_feedback(self) -> dict[str, Any]:
+        """:attr:`GradientExchange.compression_feedback` of this compression object's
+        exchange; empty before its first use."""
+        return {} if self.exchange is None else self.exchange.compression_feedback
 
     def state_dict(self) -> dict[str, Any]:
         if self.exchange is not None:

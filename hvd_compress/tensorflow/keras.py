@@ -83,7 +83,7 @@ class _DistributedOptimizer(keras.optimizers.Optimizer):
         """Per compressed tensor, its last measured step on this rank, as the PyTorch
         optimizer's ``compression_feedback`` (:meth:`hvd_compress.feedback.ErrorFeedback.report`:
         compression error, residual norm and growth, density)."""
-        return self.hvd_compress_state.exchange.pipeline.feedback.report()
+        return self.hvd_compress_state.exchange.compression_feedback
 
     def log_compression_stats(self, to: Any, every: int = 100,
                               prefix: str = "hvd_compress") -> None:
@@ -128,6 +128,7 @@ def DistributedOptimizer(
     seed: int = 0,
     ps: str | None = None,
     connect_timeout: float | None = None,
+    report_every: int = 10,
 ) -> keras.optimizers.Optimizer:
     """A Keras 3 optimizer that exchanges gradients with ``compression`` before every update:
     a scheme of :class:`hvd_compress.Compression` (default ``Compression.none``), or
@@ -164,6 +165,9 @@ def DistributedOptimizer(
             ``$HVD_COMPRESS_PS_CONNECT_TIMEOUT``, else 10 s); a value that is not > 0
             raises ``ValueError`` here. Failures after a server has answered are retried
             for ``$HVD_COMPRESS_PS_RETRY_TIMEOUT`` (60 s).
+        report_every: how often :attr:`compression_feedback` measures the compression
+            error of a tensor without error feedback: every ``report_every``-th step
+            (default 10; 1: every step; 0: never), as on the PyTorch optimizer.
 
     The scheme checks the wrapped optimizer first (``Scheme.check_optimizer``, as the
     PyTorch wrapper does, on the Keras optimizer's ``momentum`` seen through
@@ -183,7 +187,8 @@ def DistributedOptimizer(
                                 gradient_predivide_factor=gradient_predivide_factor,
                                 process_set=process_set, policy=policy, seed=seed,
                                 sparse_as_dense=sparse_as_dense, ps=ps,
-                                connect_timeout=connect_timeout)
+                                connect_timeout=connect_timeout,
+                                report_every=report_every)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__))
     config = optimizer.get_config()

@@ -27,6 +27,14 @@ class _DistributedGradientTape(tf.GradientTape):
         self._scale_local_gradients = scale_local_gradients
         self._local_sources: set[int] = set()
 
+    @property
+    def compression_feedback(self) -> dict[str, Any]:
+        """Per compressed tensor, its last measured step on this rank, as the optimizers'
+        ``compression_feedback`` (the state of the ``compression`` object, so it covers
+        the steps of earlier tapes too; also ``compression_state(compression)
+        .compression_feedback``)."""
+        return self._exchange.compression_feedback
+
     def register_local_source(self, source: tf.Variable) -> None:
         """Keep this variable's gradient local (no exchange), as in Horovod."""
         self._local_sources.add(id(source))
@@ -75,6 +83,7 @@ def DistributedGradientTape(
     seed: int = 0,
     ps: str | None = None,
     connect_timeout: float | None = None,
+    report_every: int = 10,
 ) -> tf.GradientTape:
     """Wrap ``gradtape`` so that ``gradient()`` returns gradients averaged over all ranks and
     exchanged with ``compression``: a scheme of :class:`hvd_compress.Compression` (default
@@ -117,6 +126,11 @@ def DistributedGradientTape(
             ``$HVD_COMPRESS_PS_CONNECT_TIMEOUT``, else 10 s); a value that is not > 0
             raises ``ValueError`` here. Failures after a server has answered are retried
             for ``$HVD_COMPRESS_PS_RETRY_TIMEOUT`` (60 s).
+        report_every: how often ``tape.compression_feedback`` measures the compression
+            error of a tensor without error feedback (fp16, TernGrad, QSGD, the vote):
+            every ``report_every``-th step (default 10; 1: every step; 0: never), as on the
+            PyTorch optimizer. Tensors with error feedback and DGC's velocity are measured
+            at every step.
 
     ``groups``/``num_groups`` and ``op=hvd.Adasum`` raise ``ValueError``.
     """
@@ -126,7 +140,7 @@ def DistributedGradientTape(
     exchange = compression_state(compression).exchange_for(
         op=op, gradient_predivide_factor=gradient_predivide_factor, process_set=process_set,
         policy=policy, seed=seed, sparse_as_dense=sparse_as_dense, ps=ps,
-        connect_timeout=connect_timeout)
+        connect_timeout=connect_timeout, report_every=report_every)
     cls = type(gradtape.__class__.__name__, (gradtape.__class__,),
                dict(_DistributedGradientTape.__dict__))
     return cls(gradtape._tape, exchange, gradtape._persistent,

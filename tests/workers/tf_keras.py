@@ -4,6 +4,7 @@ horovodrun or mpirun; each function starts and stops Horovod's TensorFlow librar
 from __future__ import annotations
 
 import tempfile
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -150,29 +151,40 @@ def _stock_tape() -> dict[str, Any]:
 
 
 def _tape_step(model: keras.Model, optimizer: keras.optimizers.Optimizer, compression: Any,
-               x: tf.Tensor, y: tf.Tensor) -> None:
+               x: tf.Tensor, y: tf.Tensor, report_every: int = 10) -> Any:
     with tf.GradientTape() as tape:
         loss = keras.losses.sparse_categorical_crossentropy(y, model(x), from_logits=True)
         loss = tf.reduce_mean(loss)
-    tape = DistributedGradientTape(tape, compression=compression, policy=POLICY)
+    tape = DistributedGradientTape(tape, compression=compression, policy=POLICY,
+                                   report_every=report_every)
     grads = tape.gradient(loss, model.trainable_variables)
     optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    return tape
+
+
+def _feedback(report: dict[str, Any]) -> dict[str, tuple[str, int]]:
+    return {name: (stats.scheme, stats.steps) for name, stats in report.items()}
 
 
 def _tape_run(spec: str, batches: list[tuple[tf.Tensor, tf.Tensor]], traced: bool,
               checkpoint_dir: Path | None = None) -> dict[str, Any]:
     """Train with the tape; optionally checkpoint before the last step, then restore into a
-    fresh model, optimizer and compression object and take that step again."""
+    fresh model, optimizer and compression object and take that step again. Eagerly the
+    tape measures the compression error at every step (``report_every=1``), traced every
+    10th (the default); ``feedback`` is the last tape's report."""
     def setup(seed: int) -> tuple[keras.Model, keras.optimizers.Optimizer, Any, Any]:
         model = _model(seed)
         optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
         optimizer.build(model.trainable_variables)
         compression = Compression.parse(spec)
 
-        def step(x: tf.Tensor, y: tf.Tensor) -> None:
-            _tape_step(model, optimizer, compression, x, y)
+        if traced:
+            def step(x: tf.Tensor, y: tf.Tensor) -> None:
+                _tape_step(model, optimizer, compression, x, y)
 
-        return model, optimizer, compression, tf.function(step) if traced else step
+            return model, optimizer, compression, tf.function(step)
+        return model, optimizer, compression, partial(_tape_step, model, optimizer,
+                                                      compression, report_every=1)
 
     model, optimizer, compression, step = setup(seed=5)
     weights = []
@@ -181,9 +193,12 @@ def _tape_run(spec: str, batches: list[tuple[tf.Tensor, tf.Tensor]], traced: boo
             tf.train.Checkpoint(model=model, optimizer=optimizer,
                                 compression=compression_state(compression)
                                 ).write(str(checkpoint_dir / "tape"))
-        step(x, y)
+        tape = step(x, y)
         weights.append(_weights(model))
-    out: dict[str, Any] = {"weights": weights}
+    out: dict[str, Any] = {"weights": weights, "feedback": _feedback(
+        compression_state(compression).compression_feedback)}
+    if not traced:  # the tape's own view is the compression object's
+        assert tape.compression_feedback.keys() == out["feedback"].keys()
     if checkpoint_dir is not None:
         model, optimizer, compression, step = setup(seed=99)
         tf.train.Checkpoint(model=model, optimizer=optimizer,
