@@ -345,10 +345,20 @@ def test_cluster_bench_repeats_take_turns_and_pool_their_steps(
         assert len(row["step_times_s"]) == 8 and row["replicas_agree"]
         assert len(row["cpu_affinity"]) == 1  # --pin-cores: rank 0 on one core
         assert min(row["run_step_s"]) <= row["step_p90_s"] <= max(row["step_times_s"])
+        # Per-step phases, pooled in launch order: forward + backward + step is the step.
+        assert len(row["step_phases_s"]) == 8
+        for phases, total in zip(row["step_phases_s"], row["step_times_s"]):
+            assert len(phases) == 3 and min(phases) >= 0
+            assert sum(phases) == pytest.approx(total, abs=1e-6)
+        assert set(row["tail_excess_s"]) == {"forward", "backward", "step"}
+        # Garbage collections during the timed steps, both launches counted.
+        assert len(row["gc"]["per_step_s"]) == 8 and len(row["gc"]["collections"]) == 3
+        assert sum(row["gc"]["per_step_s"]) == pytest.approx(sum(row["gc"]["seconds"]))
     printed = capsys.readouterr()
     starts = [line.split(": ")[0].split("] ")[1] for line in printed.err.splitlines()
               if "configuration(s) on" in line]
     assert starts == ["ddp", "hvd-compress", "ddp", "hvd-compress"]
     spread = [line for line in printed.out.splitlines() if "spread (p90/median)" in line]
     assert len(spread) == 1 and "95% interval" in spread[0] and "8 and 8 steps" in spread[0]
+    assert "Steps slower than p90, mean excess of each phase over its median:" in printed.out
     assert leftover_network_objects() == []

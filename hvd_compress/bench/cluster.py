@@ -359,6 +359,8 @@ def pool_runs(rows: Sequence[Row]) -> list[Row]:
     for runs in groups.values():
         row = dict(runs[0])
         times = [t for r in runs for t in r["step_times_s"]]
+        if all("step_phases_s" in r for r in runs):
+            row["step_phases_s"] = [p for r in runs for p in r["step_phases_s"]]
         row.update(runs=len(runs), step_times_s=times, step_s=statistics.median(times),
                    step_p90_s=p90(times),
                    replicas_agree=all(r["replicas_agree"] for r in runs))
@@ -370,6 +372,11 @@ def pool_runs(rows: Sequence[Row]) -> list[Row]:
             for key in ("phases_s", "exchange_s", "collective_bytes"):
                 if all(key in r for r in runs):
                     row[key] = _mean_dict([r[key] for r in runs])
+            if all("gc" in r for r in runs):
+                row["gc"] = {
+                    "collections": [sum(c) for c in zip(*(r["gc"]["collections"] for r in runs))],
+                    "seconds": [sum(c) for c in zip(*(r["gc"]["seconds"] for r in runs))],
+                    "per_step_s": [t for r in runs for t in r["gc"]["per_step_s"]]}
         pooled.append(row)
     return pooled
 
@@ -377,6 +384,28 @@ def pool_runs(rows: Sequence[Row]) -> list[Row]:
 def spread(times: Sequence[float]) -> float:
     """Step-time spread: p90 over median."""
     return p90(times) / statistics.median(times)
+
+
+PHASES = ("forward", "backward", "step")
+"""The parts of a timed step in ``step_phases_s``: the forward pass, ``loss.backward()``
+(where DDP's hooks communicate) and ``optimizer.step()`` (where hvd-compress waits for its
+rounds)."""
+
+
+def tail_excess(row: Row) -> dict[str, float] | None:
+    """Where the slow steps lose their time: over the steps slower than the row's p90, the
+    mean excess of each phase (:data:`PHASES`) over that phase's median, in seconds; None
+    for a row without per-step phases."""
+    phases = row.get("step_phases_s")
+    times = row["step_times_s"]
+    if not phases or len(phases) != len(times):
+        return None
+    medians = [statistics.median(p[i] for p in phases) for i in range(len(PHASES))]
+    tail = [p for p, t in zip(phases, times) if t > row["step_p90_s"]]
+    if not tail:
+        return None
+    return {name: sum(p[i] for p in tail) / len(tail) - medians[i]
+            for i, name in enumerate(PHASES)}
 
 
 def spread_difference_interval(ours: Sequence[float], theirs: Sequence[float],
@@ -459,6 +488,7 @@ def add_speedups(rows: list[Row]) -> None:
         row["speedup_vs_ddp"] = None if ddp is None else ddp / row["step_s"]
         row["bytes_per_step"] = row["tx_bytes_per_step"]
         row["spread"] = row["step_p90_s"] / row["step_s"]
+        row["tail_excess_s"] = tail_excess(row)
         expected = expected_tx_bytes(row)
         row["expected_tx_bytes"] = expected
         # TCP's payload, the interface's bytes less the headers of every packet: what the
@@ -724,5 +754,11 @@ def summary(rows: Sequence[Row]) -> str:
     if steps:
         spreads = [f"{label(r)} @ {r['link']}: {r['spread']:.2f}" for r in steps]
         out += ["", "Spread (p90 / median): " + "; ".join(spreads)]
+        tails = [f"- {label(r)} @ {r['link']}: " + ", ".join(
+            f"{name} {1000 * excess:+.1f} ms" for name, excess in r["tail_excess_s"].items())
+            for r in steps if r.get("tail_excess_s")]
+        if tails:
+            out += ["", "Steps slower than p90, mean excess of each phase over its median:",
+                    *tails]
     return "\n".join(out)
 

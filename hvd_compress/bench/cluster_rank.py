@@ -194,6 +194,42 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+class GCPauses:
+    """Python's garbage collections on this process's threads (``gc.callbacks``): per
+    generation their number and seconds, and the seconds spent in them since
+    :meth:`take`; :meth:`row` gives the row's ``gc`` field."""
+
+    def __init__(self) -> None:
+        self.collections = [0, 0, 0]
+        self.seconds = [0.0, 0.0, 0.0]
+        self.per_step: list[float] = []
+        self._since = 0.0
+        self._started: float | None = None
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        elif self._started is not None:
+            spent = time.perf_counter() - self._started
+            self._started = None
+            self.collections[info["generation"]] += 1
+            self.seconds[info["generation"]] += spent
+            self._since += spent
+
+    def reset(self) -> None:
+        self.collections, self.seconds, self.per_step = [0, 0, 0], [0.0, 0.0, 0.0], []
+        self._since = 0.0
+
+    def take(self) -> None:
+        """End a step: its collections' seconds go to ``per_step``."""
+        self.per_step.append(self._since)
+        self._since = 0.0
+
+    def row(self) -> dict[str, Any]:
+        return {"collections": self.collections, "seconds": self.seconds,
+                "per_step_s": self.per_step}
+
+
 def _stats(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     stats = getattr(optimizer, "compression_stats", None)
     if stats is None:
@@ -221,16 +257,20 @@ def run_config(system: _System, widths: Sequence[int], config: dict[str, Any], s
                 torch.randint(0, widths[-1], (BATCH,), generator=gen)) for _ in range(4)]
     loss_fn = nn.CrossEntropyLoss()
     times: list[float] = []
+    step_phases: list[tuple[float, float, float]] = []  # forward, backward, step per step
     phases = {"forward": 0.0, "backward": 0.0, "step": 0.0}
     exchange: dict[str, float] = {}  # hvd-compress's own breakdown (StepStats.seconds)
     counters0 = interface_counters()
     cpu0 = 0.0
+    pauses = GCPauses()
+    gc.callbacks.append(pauses)
     for step in range(warmup + steps):
         if step == warmup:
             system.barrier(f"{config['scheme']}.{step}")
             counters0 = interface_counters()
             cpu0 = _cpu_seconds()
             phases = dict.fromkeys(phases, 0.0)
+            pauses.reset()
         x, y = batches[step % len(batches)]
         start = time.perf_counter()
         optimizer.zero_grad()
@@ -240,7 +280,9 @@ def run_config(system: _System, widths: Sequence[int], config: dict[str, Any], s
         backwarded = time.perf_counter()
         optimizer.step()
         end = time.perf_counter()
+        pauses.take()
         times.append(end - start)
+        step_phases.append((forwarded - start, backwarded - forwarded, end - backwarded))
         phases["forward"] += forwarded - start
         phases["backward"] += backwarded - forwarded
         phases["step"] += end - backwarded
@@ -249,6 +291,7 @@ def run_config(system: _System, widths: Sequence[int], config: dict[str, Any], s
             for part, spent in stats.seconds.items():
                 exchange[part] = exchange.get(part, 0.0) + spent
         progress(f"{config['scheme']} step {step + 1}/{warmup + steps} {times[-1]:.3f} s")
+    gc.callbacks.remove(pauses)
     sent = interface_counters() - counters0
     cpu = (_cpu_seconds() - cpu0) / steps
     timed = sorted(times[warmup:])
@@ -257,6 +300,7 @@ def run_config(system: _System, widths: Sequence[int], config: dict[str, Any], s
            "step_s": statistics.median(timed),
            "step_p90_s": p90(timed),
            "step_times_s": times[warmup:],
+           "step_phases_s": step_phases[warmup:],
            "tx_bytes_per_step": sent.tx_bytes / steps, "rx_bytes_per_step": sent.rx_bytes / steps,
            "tx_packets_per_step": sent.tx_packets / steps,
            "tx_payload_bytes_per_step": sent.tx_payload_bytes / steps,
@@ -264,6 +308,7 @@ def run_config(system: _System, widths: Sequence[int], config: dict[str, Any], s
            "phases_s": {name: total / steps for name, total in phases.items()},
            "exchange_s": {part: total / steps for part, total in exchange.items()},
            "replicas_agree": agree, "cpu_affinity": sorted(os.sched_getaffinity(0)),
+           "gc": pauses.row(),
            **_stats(optimizer)}
     return row
 
