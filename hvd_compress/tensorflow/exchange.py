@@ -127,7 +127,8 @@ class GradientExchange:
         return {**options, "process_set": process_set.process_set_id,
                 "ps": resolve_ps(options.get("ps")),
                 "connect_timeout": check_timeout(options.get("connect_timeout"),
-                                                 "connect_timeout")}
+                                                 "connect_timeout"),
+                "report_every": options.get("report_every", 10)}
 
     def reduce(self, names: Sequence[str], grads: Sequence[Any]) -> list[Any]:
         """Aggregate ``grads`` (``None`` entries pass through); eager or traced."""
