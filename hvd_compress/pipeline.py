@@ -104,6 +104,10 @@ from hvd_compress.schemes.dense import FP16, NoCompression
 STATE_VERSION = 1
 DEFAULT_BUCKET_BYTES = 64 << 20
 """64 MiB, Horovod's default fusion threshold (``HOROVOD_FUSION_THRESHOLD``)."""
+
+DEFAULT_REPORT_EVERY = 10
+"""Steps between measurements of the compression error of a tensor without error feedback
+(``report_every`` of :class:`Pipeline` and of every binding's wrapper)."""
 _DENSE = NoCompression()
 
 Result = torch.Tensor | list[torch.Tensor]
@@ -413,7 +417,7 @@ class Pipeline:
     def __init__(self, scheme: Scheme, comm: Communicator, policy: Policy | None = None,
                  average: bool = True, prescale: float = 1.0, seed: int = 0,
                  bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
-                 report_every: int = 10) -> None:
+                 report_every: int = DEFAULT_REPORT_EVERY) -> None:
         if prescale <= 0:
             raise ValueError(f"prescale must be positive, got {prescale}")
         if isinstance(report_every, bool) or not isinstance(report_every, int) \

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hvd_compress.bench.cluster_rank import MODELS, p90, parameter_count
+from hvd_compress.bench.cluster_rank import MODELS, PHASES, p90, parameter_count
 from hvd_compress.bench.hosts import (
     emulated_hosts,
     host_command,
@@ -384,12 +384,6 @@ def pool_runs(rows: Sequence[Row]) -> list[Row]:
 def spread(times: Sequence[float]) -> float:
     """Step-time spread: p90 over median."""
     return p90(times) / statistics.median(times)
-
-
-PHASES = ("forward", "backward", "step")
-"""The parts of a timed step in ``step_phases_s``: the forward pass, ``loss.backward()``
-(where DDP's hooks communicate) and ``optimizer.step()`` (where hvd-compress waits for its
-rounds)."""
 
 
 def tail_excess(row: Row) -> dict[str, float] | None:

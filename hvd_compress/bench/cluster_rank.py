@@ -194,17 +194,20 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+PHASES = ("forward", "backward", "step")
+"""The parts of a timed step in a row's ``step_phases_s`` (and the keys of ``phases_s``, their
+means): the forward pass, ``loss.backward()`` (where DDP's hooks communicate) and
+``optimizer.step()`` (where hvd-compress waits for its rounds)."""
+
+
 class GCPauses:
     """Python's garbage collections on this process's threads (``gc.callbacks``): per
     generation their number and seconds, and the seconds spent in them since
     :meth:`take`; :meth:`row` gives the row's ``gc`` field."""
 
     def __init__(self) -> None:
-        self.collections = [0, 0, 0]
-        self.seconds = [0.0, 0.0, 0.0]
-        self.per_step: list[float] = []
-        self._since = 0.0
         self._started: float | None = None
+        self.reset()
 
     def __call__(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
@@ -217,7 +220,10 @@ class GCPauses:
             self._since += spent
 
     def reset(self) -> None:
-        self.collections, self.seconds, self.per_step = [0, 0, 0], [0.0, 0.0, 0.0], []
+        """Forget what was counted so far (the untimed steps)."""
+        self.collections = [0, 0, 0]
+        self.seconds = [0.0, 0.0, 0.0]
+        self.per_step: list[float] = []
         self._since = 0.0
 
     def take(self) -> None:
@@ -257,8 +263,7 @@ def run_config(system: _System, widths: Sequence[int], config: dict[str, Any], s
                 torch.randint(0, widths[-1], (BATCH,), generator=gen)) for _ in range(4)]
     loss_fn = nn.CrossEntropyLoss()
     times: list[float] = []
-    step_phases: list[tuple[float, float, float]] = []  # forward, backward, step per step
-    phases = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+    step_phases: list[tuple[float, float, float]] = []  # per step, in PHASES order
     exchange: dict[str, float] = {}  # hvd-compress's own breakdown (StepStats.seconds)
     counters0 = interface_counters()
     cpu0 = 0.0
@@ -269,7 +274,6 @@ def run_config(system: _System, widths: Sequence[int], config: dict[str, Any], s
             system.barrier(f"{config['scheme']}.{step}")
             counters0 = interface_counters()
             cpu0 = _cpu_seconds()
-            phases = dict.fromkeys(phases, 0.0)
             pauses.reset()
         x, y = batches[step % len(batches)]
         start = time.perf_counter()
@@ -283,9 +287,6 @@ def run_config(system: _System, widths: Sequence[int], config: dict[str, Any], s
         pauses.take()
         times.append(end - start)
         step_phases.append((forwarded - start, backwarded - forwarded, end - backwarded))
-        phases["forward"] += forwarded - start
-        phases["backward"] += backwarded - forwarded
-        phases["step"] += end - backwarded
         stats = getattr(optimizer, "compression_stats", None)
         if stats is not None and step >= warmup:
             for part, spent in stats.seconds.items():
@@ -305,7 +306,8 @@ def run_config(system: _System, widths: Sequence[int], config: dict[str, Any], s
            "tx_packets_per_step": sent.tx_packets / steps,
            "tx_payload_bytes_per_step": sent.tx_payload_bytes / steps,
            "cpu_s_per_step": cpu,
-           "phases_s": {name: total / steps for name, total in phases.items()},
+           "phases_s": {name: sum(p[i] for p in step_phases[warmup:]) / steps
+                        for i, name in enumerate(PHASES)},
            "exchange_s": {part: total / steps for part, total in exchange.items()},
            "replicas_agree": agree, "cpu_affinity": sorted(os.sched_getaffinity(0)),
            "gc": pauses.row(),

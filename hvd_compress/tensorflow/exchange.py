@@ -24,7 +24,7 @@ from tensorflow.python.ops import control_flow_util
 
 from hvd_compress.binding import check_horovod_arguments, resolve_compression, resolve_ps
 from hvd_compress.comm.ps_client import check_timeout
-from hvd_compress.pipeline import Pipeline, StepStats
+from hvd_compress.pipeline import DEFAULT_REPORT_EVERY, Pipeline, StepStats
 from hvd_compress.policy import Policy
 from hvd_compress.schemes.base import Scheme
 from hvd_compress.schemes.dense import NoCompression
@@ -102,7 +102,8 @@ class GradientExchange:
                  gradient_predivide_factor: float = 1.0, process_set: Any = None,
                  policy: Policy | None = None, seed: int = 0,
                  sparse_as_dense: bool = False, ps: str | None = None,
-                 connect_timeout: float | None = None, report_every: int = 10) -> None:
+                 connect_timeout: float | None = None,
+                 report_every: int = DEFAULT_REPORT_EVERY) -> None:
         self.process_set = process_set if process_set is not None else hvd.global_process_set
         self.options = self.normalize(
             {"op": op, "gradient_predivide_factor": gradient_predivide_factor,
@@ -128,7 +129,7 @@ class GradientExchange:
                 "ps": resolve_ps(options.get("ps")),
                 "connect_timeout": check_timeout(options.get("connect_timeout"),
                                                  "connect_timeout"),
-                "report_every": options.get("report_every", 10)}
+                "report_every": options.get("report_every", DEFAULT_REPORT_EVERY)}
 
     def reduce(self, names: Sequence[str], grads: Sequence[Any]) -> list[Any]:
         """Aggregate ``grads`` (``None`` entries pass through); eager or traced."""

@@ -16,6 +16,7 @@ import keras
 import numpy as np
 
 from hvd_compress.binding import check_wrappable
+from hvd_compress.pipeline import DEFAULT_REPORT_EVERY
 from hvd_compress.policy import Policy
 from hvd_compress.stats import CompressionStats, StatsLogger
 from hvd_compress.tensorflow.broadcast import broadcast_variables
@@ -128,7 +129,7 @@ def DistributedOptimizer(
     seed: int = 0,
     ps: str | None = None,
     connect_timeout: float | None = None,
-    report_every: int = 10,
+    report_every: int = DEFAULT_REPORT_EVERY,
 ) -> keras.optimizers.Optimizer:
     """A Keras 3 optimizer that exchanges gradients with ``compression`` before every update:
     a scheme of :class:`hvd_compress.Compression` (default ``Compression.none``), or

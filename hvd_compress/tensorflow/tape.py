@@ -7,6 +7,7 @@ from typing import Any
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
+from hvd_compress.pipeline import DEFAULT_REPORT_EVERY
 from hvd_compress.policy import Policy
 from hvd_compress.tensorflow.exchange import (
     GradientExchange,
@@ -83,7 +84,7 @@ def DistributedGradientTape(
     seed: int = 0,
     ps: str | None = None,
     connect_timeout: float | None = None,
-    report_every: int = 10,
+    report_every: int = DEFAULT_REPORT_EVERY,
 ) -> tf.GradientTape:
     """Wrap ``gradtape`` so that ``gradient()`` returns gradients averaged over all ranks and
     exchanged with ``compression``: a scheme of :class:`hvd_compress.Compression` (default

@@ -22,7 +22,7 @@ from hvd_compress.comm.base import Communicator
 from hvd_compress.comm.horovod_torch import HorovodTorchCommunicator
 from hvd_compress.comm.parameter_server import ParameterServerCommunicator, connect
 from hvd_compress.comm.ps_client import check_timeout
-from hvd_compress.pipeline import Pipeline
+from hvd_compress.pipeline import DEFAULT_REPORT_EVERY, Pipeline
 from hvd_compress.policy import Policy
 from hvd_compress.schemes.base import Scheme
 from hvd_compress.stats import CompressionStats, StatsLogger
@@ -39,7 +39,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                  gradient_predivide_factor: float, sparse_as_dense: bool, policy: Policy | None,
                  seed: int, process_set: Any, ps: str | None,
                  bucket_mb: float | None, connect_timeout: float | None = None,
-                 report_every: int = 10) -> None:
+                 report_every: int = DEFAULT_REPORT_EVERY) -> None:
         super(self.__class__, self).__init__(params)
         if named_parameters is None:
             named_parameters = [(f"allreduce.noname.{i}.{j}", p)
@@ -251,7 +251,7 @@ def DistributedOptimizer(
     ps: str | None = None,
     bucket_mb: float | None = 64,
     connect_timeout: float | None = None,
-    report_every: int = 10,
+    report_every: int = DEFAULT_REPORT_EVERY,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over all ranks and
     exchanged with ``compression``: a scheme of :class:`hvd_compress.Compression` (default
