@@ -45,7 +45,10 @@ yield one request per round (:mod:`hvd_compress.comm.ops`) and never see the fus
    slice (:func:`split_result`), which runs the member's exchange to its next request, and
    starts the bucket's next phase at once. It waits only on started collectives, and each
    rank starts phase ``k + 1`` of a bucket as soon as phase ``k`` is done, so ranks whose
-   backward passes completed the buckets in different orders cannot deadlock.
+   backward passes completed the buckets in different orders cannot deadlock. A
+   communicator that matches collectives by start order rather than by name
+   (:class:`~hvd_compress.comm.gloo_torch.GlooCommunicator`, ``ordered``) gets them in an
+   order every rank reproduces: complete buckets start in plan order only, as DDP's do.
 
 Fusion changes no result: an all-reduce sums each element over the same ranks whether its
 neighbours in the buffer belong to its own tensor or to another. On
@@ -450,6 +453,7 @@ class Pipeline:
         self._open: dict[int, _Bucket] = {}  # planned buckets with a submitted member
         self._unplanned: list[_InFlight] = []
         self._launched: list[_Bucket] = []
+        self._next_bucket = 0  # the planned bucket an ordered communicator starts next
         self._failure: BaseException | None = None
         self._current = StepStats()
         self.last_step = StepStats()
@@ -680,6 +684,7 @@ class Pipeline:
             self._open.clear()
             self._unplanned.clear()
             self._launched.clear()
+            self._next_bucket = 0
             self._failure = None
         started = time.perf_counter()
         try:
@@ -719,8 +724,16 @@ class Pipeline:
         if bucket is None:
             bucket = self._open[index] = _Bucket(index, len(self._plan[index]))
         bucket.members.append(flight)
-        if len(bucket.members) == bucket.expected:
-            self._launch(bucket)
+        if not getattr(self.comm, "ordered", False):
+            if len(bucket.members) == bucket.expected:
+                self._launch(bucket)
+            return
+        # A communicator that matches collectives by start order: complete buckets start
+        # in plan order only, as DDP's do, so every rank starts the same sequence.
+        while (ready := self._open.get(self._next_bucket)) is not None \
+                and len(ready.members) == ready.expected:
+            self._launch(ready)
+            self._next_bucket += 1
 
     def _launch_unplanned(self) -> None:
         flights = sorted(self._unplanned, key=lambda f: f.name)

@@ -15,7 +15,9 @@ class Communicator(Protocol):
 
     ``start`` must not block on other ranks; ``wait`` returns the result in the shape the
     request documents (see :mod:`hvd_compress.comm.ops`). Every rank starts the same names,
-    in any order.
+    in any order, unless the communicator has a true ``ordered`` attribute: it matches
+    collectives by the order they are started (Gloo's), and the pipeline then starts them
+    in an order every rank reproduces.
     """
 
     rank: int

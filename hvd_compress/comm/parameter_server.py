@@ -122,6 +122,7 @@ class ParameterServerCommunicator:
         if isinstance(client, PSClient) and client.job_size is None:
             client.job_size = dense.size  # the servers check it against their --workers
         self.rank, self.size = dense.rank, dense.size
+        self.ordered = getattr(dense, "ordered", False)
         self._rounds: dict[str, int] = defaultdict(int)
 
     def start(self, name: str, op: Collective) -> Any:

@@ -19,6 +19,7 @@ from hvd_compress.binding import (
     resolve_ps,
 )
 from hvd_compress.comm.base import Communicator
+from hvd_compress.comm.gloo_torch import GlooCommunicator, horovod_gloo_group
 from hvd_compress.comm.horovod_torch import HorovodTorchCommunicator
 from hvd_compress.comm.parameter_server import ParameterServerCommunicator, connect
 from hvd_compress.comm.ps_client import check_timeout
@@ -29,6 +30,8 @@ from hvd_compress.stats import CompressionStats, StatsLogger
 from hvd_compress.torch.broadcast import any_dtype_broadcasts
 
 STATE_KEY = "hvd_compress"
+COLLECTIVES = ("horovod", "gloo")
+"""What can carry the dense rounds (``collectives=`` of :func:`DistributedOptimizer`)."""
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -39,7 +42,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                  gradient_predivide_factor: float, sparse_as_dense: bool, policy: Policy | None,
                  seed: int, process_set: Any, ps: str | None,
                  bucket_mb: float | None, connect_timeout: float | None = None,
-                 report_every: int = DEFAULT_REPORT_EVERY) -> None:
+                 report_every: int = DEFAULT_REPORT_EVERY,
+                 collectives: str = "horovod") -> None:
         super(self.__class__, self).__init__(params)
         if named_parameters is None:
             named_parameters = [(f"allreduce.noname.{i}.{j}", p)
@@ -65,10 +69,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.backward_passes_per_step = backward_passes_per_step
         self._delay = {p: backward_passes_per_step for p in self._parameter_names}
         self.sparse_as_dense = sparse_as_dense
-        comm: Communicator = HorovodTorchCommunicator(process_set)
+        horovod = HorovodTorchCommunicator(process_set)
+        comm: Communicator = horovod
+        if collectives == "gloo":
+            comm = GlooCommunicator(horovod_gloo_group(hvd), horovod)
         if ps:
             session = hvd.broadcast_object(os.urandom(4).hex(), root_rank=0,
-                                           process_set=comm.process_set)
+                                           process_set=horovod.process_set)
             comm = ParameterServerCommunicator(
                 comm, connect(ps, comm.rank, connect_timeout=connect_timeout), session)
         self._pipeline = Pipeline(
@@ -252,6 +259,7 @@ def DistributedOptimizer(
     bucket_mb: float | None = 64,
     connect_timeout: float | None = None,
     report_every: int = DEFAULT_REPORT_EVERY,
+    collectives: str = "horovod",
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over all ranks and
     exchanged with ``compression``: a scheme of :class:`hvd_compress.Compression` (default
@@ -299,6 +307,20 @@ def DistributedOptimizer(
             ``report_every``-th step (default 10; 1: every step; 0: never). Measuring
             decodes the rank's own payload, 14-25 ms per 8 M-element tensor on a CPU.
             Tensors with error feedback and DGC's velocity are measured at every step.
+        collectives: what carries the dense rounds (all-reduces, PowerSGD's ``P`` and
+            ``Q``, the compressed all-reduce's scatter and gather). ``"horovod"`` (the
+            default): Horovod's collectives, negotiated in its background loop, each round
+            waiting for the next ``HOROVOD_CYCLE_TIME`` cycle. ``"gloo"``: a
+            ``torch.distributed`` Gloo group over Horovod's ranks
+            (:func:`hvd_compress.comm.gloo_torch.horovod_gloo_group`: the default group if
+            ``torch.distributed`` is initialized, else one joined here), each round started
+            at once from this thread as DDP's hooks start theirs, with no negotiation and
+            no cycle wait. Collectives are then matched by the order they start, so every
+            rank must run the same parameters' backward (unused parameters are sent as
+            zeros at ``step()``); buckets start in plan order. Sparse pairs still go
+            through Horovod ``allgather`` or the parameter server. Needs the global
+            process set and a CPU tensors' Gloo (GPU tensors are copied by Gloo to the
+            host).
 
     Horovod's explicit ``groups``/``num_groups`` are not supported (Horovod's tensor fusion
     still batches small all-reduces), nor is ``op=hvd.Adasum``: both raise ``ValueError``.
@@ -311,13 +333,19 @@ def DistributedOptimizer(
                             backward_passes_per_step=backward_passes_per_step)
     if bucket_mb is not None and bucket_mb < 0:
         raise ValueError(f"bucket_mb must be >= 0 or None, got {bucket_mb}")
+    if collectives not in COLLECTIVES:
+        raise ValueError(f"collectives must be one of {COLLECTIVES}, got {collectives!r}")
+    if collectives == "gloo" and process_set is not None \
+            and process_set.process_set_id != hvd.global_process_set.process_set_id:
+        raise ValueError("collectives='gloo' runs over Horovod's global ranks; pass "
+                         "process_set=None or use collectives='horovod'")
     check_timeout(connect_timeout, "connect_timeout")
     ps = resolve_ps(ps)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step,
                op, gradient_predivide_factor, sparse_as_dense, policy, seed, process_set, ps,
-               bucket_mb, connect_timeout, report_every)
+               bucket_mb, connect_timeout, report_every, collectives)
 
 
 def init(ps: str | None = None, **kwargs: Any) -> None:
