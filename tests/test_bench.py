@@ -332,14 +332,17 @@ def test_cluster_bench_repeats_take_turns_and_pool_their_steps(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``--repeats 2``: the systems launch in turn (DDP, ours, DDP, ours), each row pools
     the timed steps of both its launches, and the spread target reports the interval of
-    the difference; ``--pin-cores`` runs each rank on one core."""
+    the difference; ``--pin-cores`` runs each rank on one core; ``@gloo`` runs the dense
+    rounds on a Gloo group set up on the emulated hosts' interfaces."""
     powersgd = "powersgd:rank=4,start_iter=2"
     assert main(["cluster", "--quick", "--repeats", "2", "--pin-cores", "--schemes", powersgd,
-                 "--ddp", powersgd, "--horovod", "--epochs", "0", "--steps", "4",
-                 "--json", str(tmp_path / "rows.json"), "--timeout", "300"]) == 0
+                 f"{powersgd}@gloo", "--ddp", powersgd, "--horovod", "--epochs", "0",
+                 "--steps", "4", "--json", str(tmp_path / "rows.json"), "--timeout", "300"]) == 0
     rows = json.loads((tmp_path / "rows.json").read_text())
-    assert [(r["system"], r["scheme"]) for r in rows] == [("ddp", powersgd),
-                                                           ("hvd-compress", powersgd)]
+    assert [(r["system"], r["scheme"]) for r in rows] == [
+        ("ddp", powersgd), ("hvd-compress", powersgd), ("hvd-compress", f"{powersgd}@gloo")]
+    assert [r["settings"]["collectives"] for r in rows[1:]] == ["horovod", "gloo"]
+    assert rows[1]["collective_bytes"] == rows[2]["collective_bytes"]
     for row in rows:
         assert row["runs"] == 2 and len(row["run_step_s"]) == 2
         assert len(row["step_times_s"]) == 8 and row["replicas_agree"]
@@ -357,8 +360,9 @@ def test_cluster_bench_repeats_take_turns_and_pool_their_steps(
     printed = capsys.readouterr()
     starts = [line.split(": ")[0].split("] ")[1] for line in printed.err.splitlines()
               if "configuration(s) on" in line]
-    assert starts == ["ddp", "hvd-compress", "ddp", "hvd-compress"]
+    assert starts == ["ddp", "hvd-compress", "hvd-compress"] * 2
     spread = [line for line in printed.out.splitlines() if "spread (p90/median)" in line]
-    assert len(spread) == 1 and "95% interval" in spread[0] and "8 and 8 steps" in spread[0]
+    assert len(spread) == 2 and f"{powersgd}@gloo spread" in spread[1]
+    assert all("95% interval" in line and "8 and 8 steps" in line for line in spread)
     assert "Steps slower than p90, mean excess of each phase over its median:" in printed.out
     assert leftover_network_objects() == []

@@ -146,7 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "compressed steps, with their new collectives and buffers)")
     clus.add_argument("--schemes", type=_cluster_spec, nargs="*",
                       help="hvd-compress schemes; SPEC@ps sends sparse pairs to a gRPC "
-                      f"server on its own host (default: {' '.join(cluster.DEFAULT_SCHEMES)})")
+                      "server on its own host, SPEC@gloo the dense rounds on a Gloo group "
+                      "(collectives='gloo'), SPEC@gloo@ps both "
+                      f"(default: {' '.join(cluster.DEFAULT_SCHEMES)})")
     clus.add_argument("--ddp", nargs="*", choices=["none", "fp16"] + [
         s for s in cluster.DDP_SCHEMES if s.startswith("powersgd")], metavar="SCHEME",
         help="DDP configurations: none, fp16, powersgd:... (default: "
@@ -243,7 +245,10 @@ def _rate(text: str) -> str:
 
 
 def _cluster_spec(text: str) -> str:
-    Compression.parse(text.removesuffix(cluster.SERVER_SUFFIX))
+    try:
+        Compression.parse(cluster.split_spec(text)[0])
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
     return text
 
 

@@ -12,7 +12,9 @@ trains the same MLP on those hosts, one launch (fresh processes) per configurati
   controller (``horovod``) and under ``mpirun`` (``horovod-mpi``), its faster setting at
   every rate measured here;
 - hvd-compress: each scheme given, sparse ones through Horovod ``allgather`` and, with
-  ``@ps`` after the spec, through a gRPC parameter server on its own host.
+  ``@ps`` after the spec, through a gRPC parameter server on its own host; with ``@gloo``
+  after the spec, its dense rounds on a ``torch.distributed`` Gloo group instead of
+  Horovod's collectives.
 
 Horovod-based systems run on Horovod's Gloo controller (ranks started on their hosts with
 the environment ``horovodrun --gloo`` gives them, and Horovod's own rendezvous server), or
@@ -63,6 +65,30 @@ from hvd_compress.bench.report import Row
 
 SERVER_SUFFIX = "@ps"
 """After a scheme spec: its sparse pairs go to a parameter server on a host of its own."""
+GLOO_SUFFIX = "@gloo"
+"""After a scheme spec: its dense rounds go on a ``torch.distributed`` Gloo group
+(``collectives="gloo"``) instead of Horovod's collectives."""
+
+
+def split_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """A ``bench cluster`` scheme spec's scheme and options: ``SPEC[@gloo][@ps]``."""
+    scheme, *flags = spec.split("@")
+    unknown = sorted(set(flags) - {SERVER_SUFFIX[1:], GLOO_SUFFIX[1:]})
+    if unknown:
+        raise ValueError(f"{spec!r}: unknown suffix(es) {unknown}; after a scheme come "
+                         f"{GLOO_SUFFIX} and {SERVER_SUFFIX}")
+    return scheme, {"server": SERVER_SUFFIX[1:] in flags,
+                    "collectives": "gloo" if GLOO_SUFFIX[1:] in flags else "horovod"}
+
+
+def spec_label(scheme: str, settings: dict[str, Any]) -> str:
+    """The row label of a scheme run with these settings (the inverse of :func:`split_spec`)."""
+    label = scheme
+    if settings.get("collectives", "horovod") != "horovod":
+        label += GLOO_SUFFIX
+    if settings.get("ps", "allgather") != "allgather":
+        label += SERVER_SUFFIX
+    return label
 DEFAULT_RATES = ("100mbit", "1gbit", "10gbit")
 DEFAULT_SCHEMES = ("none", "fp16", "powersgd:rank=4,start_iter=2", "onebit",
                    "topk:ratio=0.001", "topk:ratio=0.001@ps",
@@ -115,9 +141,8 @@ class Plan:
         budget from it), then DDP, then hvd-compress."""
         ours = []
         for spec in self.schemes:
-            scheme, server = (spec[:-len(SERVER_SUFFIX)], True) if spec.endswith(
-                SERVER_SUFFIX) else (spec, False)
-            ours.append({"scheme": scheme, "server": server, "bucket_mb": self.bucket_mb})
+            scheme, options = split_spec(spec)
+            ours.append({"scheme": scheme, **options, "bucket_mb": self.bucket_mb})
         horovod = [System("horovod" if c == "gloo" else f"horovod-{c}", "horovod", c,
                           [{"scheme": s} for s in self.horovod])
                    for c in self.horovod_controllers]
@@ -130,7 +155,7 @@ class Plan:
 
     @property
     def needs_server(self) -> bool:
-        return any(spec.endswith(SERVER_SUFFIX) for spec in self.schemes)
+        return any(split_spec(spec)[1]["server"] for spec in self.schemes)
 
 
 @dataclass
@@ -319,8 +344,7 @@ def measure_link(plan: Plan, rate: str, digits: bool = False) -> list[Row]:
                                controller=system.controller)
                     if system.runs != "ddp":
                         row["settings"].update(horovod_settings(plan))
-                    if row.get("settings", {}).get("ps", "allgather") != "allgather":
-                        row["scheme"] += SERVER_SUFFIX
+                    row["scheme"] = spec_label(row["scheme"], row.get("settings", {}))
                 rows += got
                 base = _accuracy_base(rows) if digits else None
                 if base is not None and budget is not None and budget.budget_s is None:
@@ -579,8 +603,9 @@ def targets(rows: Sequence[Row]) -> list[str]:
         for r in rows:
             if r["link"] != link or r["system"] != "hvd-compress":
                 continue
-            if r["scheme"].startswith("powersgd"):
-                hook = step("ddp", r["scheme"], link)
+            scheme = split_spec(r["scheme"])[0]  # DDP's rows carry no suffix
+            if scheme.startswith("powersgd"):
+                hook = step("ddp", scheme, link)
                 if hook is not None:
                     ok = r["step_s"] <= hook
                     lines.append(f"{'PASS' if ok else 'FAIL'}  {link}: {label(r)} "
@@ -592,9 +617,9 @@ def targets(rows: Sequence[Row]) -> list[str]:
                         ok = r[key] >= goal
                         lines.append(f"{'PASS' if ok else 'FAIL'}  {link}: {label(r)} "
                                      f"{r[key]:.1f}x vs {peer} (target {goal}x)")
-            if r["scheme"].startswith("powersgd"):
+            if scheme.startswith("powersgd"):
                 hook = next((h for h in rows if h["system"] == "ddp" and h["link"] == link
-                             and h["scheme"] == r["scheme"]), None)
+                             and h["scheme"] == scheme), None)
                 if hook is not None:
                     ok = r["spread"] <= hook["spread"]
                     low, high = spread_difference_interval(r["step_times_s"],

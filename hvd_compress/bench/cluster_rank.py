@@ -15,7 +15,8 @@ Systems:
 - ``horovod``: stock ``horovod.torch.DistributedOptimizer`` with ``Compression.none`` or
   ``Compression.fp16``.
 - ``hvd-compress``: :func:`hvd_compress.torch.DistributedOptimizer` with any scheme,
-  sparse pairs summed by Horovod ``allgather`` or by the parameter server (``ps``).
+  sparse pairs summed by Horovod ``allgather`` or by the parameter server (``ps``), the
+  dense rounds on Horovod or on a Gloo group (``collectives``).
 """
 
 from __future__ import annotations
@@ -103,11 +104,13 @@ class _System:
         from hvd_compress import Compression
 
         extra = {"bucket_mb": config["bucket_mb"]} if config.get("bucket_mb") else {}
+        collectives = config.get("collectives", "horovod")
         wrapped = hvdc.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                             compression=Compression.parse(scheme),
-                                            ps=config.get("ps") or "", **extra)
+                                            ps=config.get("ps") or "", collectives=collectives,
+                                            **extra)
         return model, wrapped, {"compression": scheme, "ps": config.get("ps") or "allgather",
-                                **extra}
+                                "collectives": collectives, **extra}
 
     def _ddp(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheme: str
              ) -> tuple[nn.Module, torch.optim.Optimizer, dict[str, Any]]:
