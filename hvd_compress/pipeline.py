@@ -453,7 +453,10 @@ class Pipeline:
         self._open: dict[int, _Bucket] = {}  # planned buckets with a submitted member
         self._unplanned: list[_InFlight] = []
         self._launched: list[_Bucket] = []
-        self._next_bucket = 0  # the planned bucket an ordered communicator starts next
+        # A communicator that matches collectives by start order gets planned buckets in
+        # plan order only; this is the next one it starts.
+        self._ordered = bool(getattr(comm, "ordered", False))
+        self._next_bucket = 0
         self._failure: BaseException | None = None
         self._current = StepStats()
         self.last_step = StepStats()
@@ -724,12 +727,12 @@ class Pipeline:
         if bucket is None:
             bucket = self._open[index] = _Bucket(index, len(self._plan[index]))
         bucket.members.append(flight)
-        if not getattr(self.comm, "ordered", False):
+        if not self._ordered:
             if len(bucket.members) == bucket.expected:
                 self._launch(bucket)
             return
-        # A communicator that matches collectives by start order: complete buckets start
-        # in plan order only, as DDP's do, so every rank starts the same sequence.
+        # Complete buckets start in plan order only, as DDP's do, so that every rank
+        # starts the same sequence.
         while (ready := self._open.get(self._next_bucket)) is not None \
                 and len(ready.members) == ready.expected:
             self._launch(ready)

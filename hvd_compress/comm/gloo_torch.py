@@ -74,14 +74,13 @@ class GlooCommunicator:
 
     def start(self, name: str, op: Collective) -> Any:
         if isinstance(op, AllReduce):
+            # bfloat16 is summed in float32, exactly, and rounded once (as over Horovod).
             wide = SUM_AS.get(op.tensor.dtype)
-            if wide is not None:  # summed exactly, rounded once (as over Horovod)
-                summed = op.tensor.to(wide)
-                return _Started(op, dist.all_reduce(summed, group=self.group, async_op=True),
-                                summed, op.tensor if op.inplace else None)
-            summed = op.tensor if op.inplace else op.tensor.clone()
+            summed = op.tensor.to(wide) if wide is not None else \
+                op.tensor if op.inplace else op.tensor.clone()
+            into = op.tensor if op.inplace and wide is not None else None
             return _Started(op, dist.all_reduce(summed, group=self.group, async_op=True),
-                            summed)
+                            summed, into)
         if isinstance(op, AllGather) and op.sizes is not None:
             return self._all_gather(op)
         if isinstance(op, AllToAll):

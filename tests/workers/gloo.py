@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import horovod.torch as hvd
@@ -70,8 +71,6 @@ def training(specs: list[str], steps: int = 5, bucket_mb: float | None = 0.01
 def refused_address(address: str) -> str:
     """What building a ``collectives="gloo"`` optimizer raises with ``$MASTER_ADDR`` set to
     ``address`` (on every rank, not only on rank 0)."""
-    import os
-
     os.environ["MASTER_ADDR"] = address
     try:
         _model("none", "gloo", None)
