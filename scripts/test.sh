@@ -12,4 +12,5 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" TF_CPP_MIN_LOG_LEVEL=3
 echo "[test] ruff"
 ruff check .
 echo "[test] pytest"
-python -m pytest -q -p no:cacheprovider "$@"
+# Not -q: the header names the CPU and the ATen kernels the run used.
+python -m pytest -p no:cacheprovider "$@"

@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 
 from hvd_compress import native
 from tests.servers import ServerProcess
+
+
+def pytest_report_header() -> list[str]:
+    """The CPU and the kernels ATen chose for it: results compared bit for bit between two
+    implementations can depend on both, so a failure says on which machine it happened."""
+    import torch
+
+    from tests.harness import cpu_info, simd_flags
+
+    chosen = torch.backends.cpu.get_cpu_capability()
+    asked = os.environ.get("ATEN_CPU_CAPABILITY", "unset")
+    return [f"cpu: {cpu_info()[0]}; vector flags: {' '.join(simd_flags()) or 'none'}",
+            f"torch {torch.__version__}: ATen CPU kernels {chosen} "
+            f"(ATEN_CPU_CAPABILITY {asked})"]
 
 
 @pytest.fixture(params=["native", "numpy"])

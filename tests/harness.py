@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import os
+import platform
+import re
 import signal
 import subprocess
 import sys
@@ -25,6 +27,38 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 LAUNCHERS = ("gloo", "mpi")
+ATEN_KERNELS = {"avx2": {"avx2", "fma"}, "avx512": {"avx512f", "avx512bw", "avx512vl",
+                                                    "avx512dq"}}
+"""The CPU flags each of ATen's x86 kernel sets needs (``ATEN_CPU_CAPABILITY``)."""
+
+
+def cpu_info() -> tuple[str, set[str]]:
+    """This machine's CPU model and its feature flags (from ``/proc/cpuinfo``)."""
+    model, flags = platform.processor() or platform.machine(), set()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        fields: dict[str, str] = {}
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+        model = fields.get("model name", fields.get("Hardware", model))
+        flags = set((fields.get("flags") or fields.get("Features", "")).split())
+    return model, flags
+
+
+def aten_kernels() -> list[str]:
+    """The values of ``ATEN_CPU_CAPABILITY`` this CPU can run: ``default`` (no vector
+    code) and each x86 vector set whose flags it has. Two implementations compared bit for
+    bit under each run ATen's vector kernels as an AVX2-only CPU (AMD EPYC before Zen 4)
+    and an AVX-512 one would."""
+    flags = cpu_info()[1]
+    return ["default", *(name for name, needs in ATEN_KERNELS.items() if needs <= flags)]
+
+
+def simd_flags() -> list[str]:
+    """The CPU's vector-instruction flags, sorted."""
+    pattern = re.compile(r"(sse4_2|avx\w*|fma|f16c|amx\w*|asimd\w*|sve\w*|neon)")
+    return sorted(f for f in cpu_info()[1] if pattern.fullmatch(f))
 
 
 def launch_command(launcher: str, np: int) -> list[str]:
@@ -65,17 +99,22 @@ def run_command(cmd: list[str], timeout: float, env: dict[str, str] | None = Non
 
 
 def run_ranks(target: str, np: int = 2, launcher: str = "gloo", timeout: float = 300,
-              mpi_servers: int = 0, **kwargs: Any) -> list[Any]:
+              mpi_servers: int = 0, env: dict[str, str] | None = None,
+              **kwargs: Any) -> list[Any]:
     """Run ``module:function(**kwargs)`` on ``np`` ranks; return each rank's result.
 
     ``mpi_servers`` (``launcher="mpi"`` only) adds that many ``python -m ps_server
     --transport mpi`` ranks to the launch (MPMD) and starts the workers with
-    ``HVD_COMPRESS_PS=mpi``.
+    ``HVD_COMPRESS_PS=mpi``. ``env``: variables the ranks get on top of this process's.
     """
-    env = rank_env()
+    extra = dict(env or {})
+    env = {**rank_env(), **extra}
     with tempfile.TemporaryDirectory(prefix="hvdc-ranks-") as out_dir:
         cmd = [*launch_command(launcher, np), sys.executable, "-m", "tests.rank_main",
                out_dir, target, json.dumps(kwargs)]
+        if launcher == "mpi":
+            for name in extra:
+                cmd[cmd.index("-x"):cmd.index("-x")] = ["-x", name]
         if mpi_servers:
             if launcher != "mpi":
                 raise ValueError("mpi_servers needs launcher='mpi'")

@@ -93,14 +93,21 @@ def check_resume_mid_compression(make_ranks: Callable[[int], Ranks], label: str,
         make_ranks(4)[1][0].load_state_dict(saved[0][1])
 
 
-def check_warmup_bit_for_bit(worker: str, reference: str, freeze: int = 5,
-                             steps: int = 12) -> None:
+def check_warmup_bit_for_bit(worker: str, reference: str, kernels: str, freeze: int = 20,
+                             steps: int = 24) -> None:
     """``worker`` (``module:function`` of :mod:`tests.workers`) on 2 Gloo ranks returns, per
     rank, the parameters after every step of the 1-bit optimizer (``"onebit"``) and of the
     uncompressed one (``reference``), ``freeze_step=freeze``: they are equal bit for bit
     through the warm-up and different once compressed, the 1-bit ones are the same on every
-    rank at every step, and the compressed stage sends more than 16x fewer bytes."""
-    ranks = run_ranks(worker, np=2, launcher="gloo", freeze_step=freeze, steps=steps)
+    rank at every step, and the compressed stage sends more than 16x fewer bytes.
+
+    The ranks run ATen's ``kernels`` (``ATEN_CPU_CAPABILITY``, one of
+    :func:`tests.harness.aten_kernels`): where the two sides compute with different
+    operations (a multiply then an add against a fused multiply-add), which step first
+    shows it depends on the vector width, and a warm-up of a few steps can hide it on one
+    CPU and not on another."""
+    ranks = run_ranks(worker, np=2, launcher="gloo", freeze_step=freeze, steps=steps,
+                      env={"ATEN_CPU_CAPABILITY": kernels})
     for rank in ranks:
         for step in range(freeze):
             assert torch.equal(rank["onebit"][step], rank[reference][step]), step

@@ -14,6 +14,7 @@ from hvd_compress.comm.compressed_allreduce import CHUNK_RESIDUAL
 from hvd_compress.comm.threads import ThreadGroup
 from hvd_compress.torch import DistributedOptimizer, OneBitAdam
 from tests import convergence_harness as harness
+from tests.harness import aten_kernels
 from tests.onebit_common import (
     batches,
     check_resume_mid_compression,
@@ -120,5 +121,6 @@ def test_bad_options_are_refused_at_construction() -> None:
 
 
 @pytest.mark.multiprocess
-def test_warmup_is_horovod_adam_bit_for_bit_on_two_ranks() -> None:
-    check_warmup_bit_for_bit("tests.workers.onebit_adam:against_adam", "adam")
+@pytest.mark.parametrize("kernels", aten_kernels())
+def test_warmup_is_horovod_adam_bit_for_bit_on_two_ranks(kernels: str) -> None:
+    check_warmup_bit_for_bit("tests.workers.onebit_adam:against_adam", "adam", kernels)

@@ -13,6 +13,7 @@ from hvd_compress import Compression
 from hvd_compress.comm.threads import ThreadGroup
 from hvd_compress.torch import OneBitLamb
 from tests import convergence_harness as harness
+from tests.harness import aten_kernels
 from tests.onebit_common import (
     batches,
     check_resume_mid_compression,
@@ -118,5 +119,6 @@ def test_bad_options_are_refused_at_construction() -> None:
 
 
 @pytest.mark.multiprocess
-def test_warmup_is_horovod_averaged_lamb_bit_for_bit_on_two_ranks() -> None:
-    check_warmup_bit_for_bit("tests.workers.onebit_lamb:against_lamb", "lamb")
+@pytest.mark.parametrize("kernels", aten_kernels())
+def test_warmup_is_horovod_averaged_lamb_bit_for_bit_on_two_ranks(kernels: str) -> None:
+    check_warmup_bit_for_bit("tests.workers.onebit_lamb:against_lamb", "lamb", kernels)

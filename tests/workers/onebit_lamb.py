@@ -35,7 +35,11 @@ class HandLamb(torch.optim.Optimizer):
                 m.mul_(beta1).add_(g, alpha=1 - beta1)
                 v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
                 update = (m / (1 - beta1 ** t)) / ((v / (1 - beta2 ** t)).sqrt() + eps)
-                update = update + group["weight_decay"] * p
+                # The decay as OneBitLamb adds it, with `alpha`: ATen's vector kernels fuse
+                # that multiply-add (one rounding), where `update + decay * p` rounds the
+                # product first. The two differ in a few last bits per step, at elements
+                # that depend on the CPU's vector width (AVX2 or AVX-512).
+                update = update.add(p, alpha=group["weight_decay"])
                 ratio = 1.0
                 if p.norm() > 0 and update.norm() > 0:
                     ratio = min(max(float(p.norm()) / float(update.norm()), 0.01), 10.0)
