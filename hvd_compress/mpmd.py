@@ -52,6 +52,19 @@ the ranks'. At 10 ms, PowerSGD's step was as fast or faster and its bytes 1.045x
 payload instead of 1.10x (README, "Horovod's own knobs")."""
 
 
+MPI_DEFAULTS = {"OMPI_MCA_mpi_yield_when_idle": "1"}
+"""Open MPI settings that :func:`init` sets unless the environment (or ``mpirun --mca``,
+which exports them the same way) sets them; Open MPI reads them at ``MPI_Init``.
+
+``mpi_yield_when_idle``: a rank waiting inside MPI (Horovod's background thread in every
+collective, the MPI parameter-server client) polls for progress without pause, which takes
+a whole core; with it set, every idle poll calls ``sched_yield()`` so the ranks' compute,
+data loaders and Python threads sharing those cores run. ``mpirun`` turns it on by itself
+only when it knows a node is oversubscribed. With a core to spare per rank the cost is one
+system call per idle poll, a few microseconds of latency per message
+(``python -m hvd_compress.bench cluster --controllers gloo mpi`` measures both routes)."""
+
+
 def app_contexts() -> int | None:
     """The number of app contexts of this ``mpirun`` (Open MPI's ``$OMPI_NUM_APP_CTX``), or
     ``None`` when not launched by Open MPI's ``mpirun``."""
@@ -76,7 +89,8 @@ def wants_servers(ps: str | None) -> bool:
 
 def init(horovod: ModuleType, binding: str, ps: str | None = None, **kwargs: Any) -> None:
     """``horovod.init(**kwargs)`` with ``HOROVOD_CYCLE_TIME`` at
-    :data:`DEFAULT_CYCLE_TIME_MS` unless the environment sets it, or, for ``ps="mpi"``
+    :data:`DEFAULT_CYCLE_TIME_MS` and Open MPI's :data:`MPI_DEFAULTS` unless the
+    environment sets them (they reach MPI only if it starts here), or, for ``ps="mpi"``
     (default ``$HVD_COMPRESS_PS``), split the parameter-server ranks of an MPMD ``mpirun``
     off ``MPI.COMM_WORLD`` and start Horovod on the workers' communicator (``comm=``,
     which must then not be given).
@@ -86,6 +100,8 @@ def init(horovod: ModuleType, binding: str, ps: str | None = None, **kwargs: Any
     ``ValueError`` at once with the launch it needs (Open MPI: one app context; no MPI
     launcher at all), instead of failing inside MPI.
     """
+    for key, value in MPI_DEFAULTS.items():
+        os.environ.setdefault(key, value)
     if wants_servers(ps):
         if "comm" in kwargs:
             raise ValueError(f"{binding}.init(ps='mpi') makes the workers' communicator "

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.harness import ROOT, launch_command, rank_env, run_command
+from tests.harness import ROOT, launch_command, rank_env, run_command, run_ranks
 
 SERVER = ["python", "-m", "ps_server", "--transport", "mpi", "--workers", "2"]
 WORKER = ["python", "-m", "tests.workers.mpmd_init"]
@@ -86,3 +86,19 @@ def test_readme_mpmd_command_works_as_written() -> None:
     assert float(final.group(1)) > 80.0  # 20 epochs of digits
     assert float(final.group(4)) > 10.0  # top-k 1% through the server
     assert "all workers done; exiting" in proc.stdout
+
+
+@pytest.mark.parametrize("servers", [0, 1])
+def test_init_makes_idle_mpi_ranks_yield_their_core(servers: int) -> None:
+    """Under ``mpirun``, ranks started by ``hvd_compress.torch.init()`` (with and without
+    MPI parameter-server ranks) have Open MPI yield the core while idle, and Horovod's
+    10 ms cycle: what Open MPI itself reports through ``MPI_T``."""
+    for rank in run_ranks("tests.workers.mpi_settings:open_mpi_settings", launcher="mpi",
+                          mpi_servers=servers):
+        assert rank == {"yield_when_idle": 1, "cycle_time": "10"}, rank
+
+
+def test_init_keeps_the_users_open_mpi_settings() -> None:
+    ranks = run_ranks("tests.workers.mpi_settings:open_mpi_settings", launcher="mpi",
+                      env={"OMPI_MCA_mpi_yield_when_idle": "0", "HOROVOD_CYCLE_TIME": "3"})
+    assert ranks == [{"yield_when_idle": 0, "cycle_time": "3"}] * 2, ranks
