@@ -16,6 +16,7 @@ import torch
 from hvd_compress import Compression
 from hvd_compress.bench import SCHEMES, SPARSE_SCHEMES, hosts, link
 from hvd_compress.bench.cli import main
+from hvd_compress.bench.cluster_rank import MODELS
 from hvd_compress.bench.kernels import KERNEL_SCHEMES, make_kernel, parse_count
 from hvd_compress.bench.wire_bytes import LAYER_SETS
 
@@ -250,6 +251,31 @@ def environ(process: Path) -> bytes:
         return b""
 
 
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_every_model_of_the_cluster_zoo_trains(name: str) -> None:
+    """Each model of ``bench cluster --models`` builds the same weights from one seed, takes
+    its batches, and a few SGD steps on one batch lower its loss; it has the tensors the
+    zoo is for (vectors everywhere, 4-D kernels in the CNN)."""
+    from hvd_compress.bench.cluster_rank import _loss
+
+    workload = MODELS[name]
+    model, again = workload.build(0), workload.build(0)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), again.parameters()))
+    assert workload.parameters() == sum(p.numel() for p in model.parameters())
+    x, y = workload.batch(torch.Generator().manual_seed(0))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = []
+    for _ in range(4):
+        optimizer.zero_grad()
+        loss = _loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0], losses
+    dims = {p.dim() for p in model.parameters()}
+    assert 1 in dims and (4 in dims) == (name == "cnn")
+
+
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("tc") or not shutil.which("ip"),
                     reason="needs root, ip and tc for network namespaces")
 def test_cluster_bench_quick_trains_every_system_on_emulated_hosts(tmp_path: Path) -> None:
@@ -264,11 +290,17 @@ def test_cluster_bench_quick_trains_every_system_on_emulated_hosts(tmp_path: Pat
                    ("horovod", "none"), ("horovod-mpi", "none"), ("hvd-compress", "none"),
                    ("hvd-compress", "powersgd:rank=4,start_iter=2"),
                    ("hvd-compress", "topk:ratio=0.01@ps"),
-                   ("hvd-compress", "auto:powersgd:rank=4,start_iter=2")}
+                   ("hvd-compress", "auto:powersgd:rank=4,start_iter=2"), ("floor", "none")}
     by = {(r["system"], r["scheme"]): r for r in rows}
     dense_bytes = 4 * by["horovod", "none"]["parameters"]
+    # The compute floor: the same ranks and model, nothing sent; every row's CPU beyond it.
+    floor = by["floor", "none"]
+    assert floor["replicas_agree"] is None and floor["tx_payload_bytes_per_step"] < 1000
     for row in rows:
-        assert row["replicas_agree"], row
+        assert row["replicas_agree"] or row is floor, row
+        assert row["floor_s"] == floor["step_s"]
+        assert row["cpu_over_floor_s"] == pytest.approx(row["cpu_s_per_step"]
+                                                        - floor["cpu_s_per_step"])
         assert row["link"] == "1gbit" and row["ranks"] == 2
         assert len(row["step_times_s"]) == 3
         assert 0 < row["step_s"] <= row["step_p90_s"] <= max(row["step_times_s"])
@@ -305,7 +337,7 @@ def test_cluster_bench_quick_trains_every_system_on_emulated_hosts(tmp_path: Pat
     # target is uncompressed Horovod's final accuracy minus one point. Horovod trains its 2
     # epochs; the others at least 2, then on (at most 3) within its time unless they are
     # at the target.
-    assert {(r["system"], r["scheme"]) for r in digits} == got
+    assert {(r["system"], r["scheme"]) for r in digits} == got - {("floor", "none")}
     base = next(r for r in digits if r["system"] == "horovod")
     assert base["epochs"] == 2 and base["budget_s"] is None
     for row in digits:
@@ -333,16 +365,21 @@ def test_cluster_bench_repeats_take_turns_and_pool_their_steps(
     """``--repeats 2``: the systems launch in turn (DDP, ours, DDP, ours), each row pools
     the timed steps of both its launches, and the spread target reports the interval of
     the difference; ``--pin-cores`` runs each rank on one core; ``@gloo`` runs the dense
-    rounds on a Gloo group set up on the emulated hosts' interfaces."""
+    rounds on a Gloo group set up on the emulated hosts' interfaces; ``--controllers gloo
+    mpi`` runs ours on Horovod's Gloo controller and under ``mpirun``."""
     powersgd = "powersgd:rank=4,start_iter=2"
     assert main(["cluster", "--quick", "--repeats", "2", "--pin-cores", "--schemes", powersgd,
                  f"{powersgd}@gloo", "--ddp", powersgd, "--horovod", "--epochs", "0",
-                 "--steps", "4", "--json", str(tmp_path / "rows.json"), "--timeout", "300"]) == 0
+                 "--controllers", "gloo", "mpi", "--no-floor", "--steps", "4",
+                 "--json", str(tmp_path / "rows.json"), "--timeout", "300"]) == 0
     rows = json.loads((tmp_path / "rows.json").read_text())
-    assert [(r["system"], r["scheme"]) for r in rows] == [
-        ("ddp", powersgd), ("hvd-compress", powersgd), ("hvd-compress", f"{powersgd}@gloo")]
-    assert [r["settings"]["collectives"] for r in rows[1:]] == ["horovod", "gloo"]
-    assert rows[1]["collective_bytes"] == rows[2]["collective_bytes"]
+    ours = [(system, scheme) for system in ("hvd-compress", "hvd-compress-mpi")
+            for scheme in (powersgd, f"{powersgd}@gloo")]
+    assert [(r["system"], r["scheme"]) for r in rows] == [("ddp", powersgd), *ours]
+    assert [r["controller"] for r in rows] == [None, "gloo", "gloo", "mpi", "mpi"]
+    assert [r["settings"]["collectives"] for r in rows[1:]] == ["horovod", "gloo"] * 2
+    assert all(r["collective_bytes"] == rows[1]["collective_bytes"] for r in rows[1:])
+    assert all(r["floor_s"] is None for r in rows)
     for row in rows:
         assert row["runs"] == 2 and len(row["run_step_s"]) == 2
         assert len(row["step_times_s"]) == 8 and row["replicas_agree"]
@@ -360,9 +397,13 @@ def test_cluster_bench_repeats_take_turns_and_pool_their_steps(
     printed = capsys.readouterr()
     starts = [line.split(": ")[0].split("] ")[1] for line in printed.err.splitlines()
               if "configuration(s) on" in line]
-    assert starts == ["ddp", "hvd-compress", "hvd-compress"] * 2
+    assert starts == ["tiny ddp", "tiny hvd-compress", "tiny hvd-compress",
+                      "tiny hvd-compress-mpi", "tiny hvd-compress-mpi"] * 2
     spread = [line for line in printed.out.splitlines() if "spread (p90/median)" in line]
-    assert len(spread) == 2 and f"{powersgd}@gloo spread" in spread[1]
+    assert len(spread) == 4 and f"{powersgd}@gloo spread" in spread[1]
+    hook = [line for line in printed.out.splitlines() if "x DDP powersgd" in line]
+    assert [line.split(": ")[1].split(" powersgd")[0] for line in hook] == [
+        "hvd-compress", "hvd-compress-mpi"]  # the faster route of each launcher
     assert all("95% interval" in line and "8 and 8 steps" in line for line in spread)
     assert "Steps slower than p90, mean excess of each phase over its median:" in printed.out
     assert leftover_network_objects() == []

@@ -129,8 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="link rates, comma-separated (default 100mbit,1gbit,10gbit)")
     clus.add_argument("--latency-ms", type=float, default=0.0,
                       help="one-way delay added to every host's traffic (default 0)")
-    clus.add_argument("--model", choices=sorted(cluster_rank.MODELS),
-                      help="the MLP trained (default mlp, 14.7 M parameters)")
+    clus.add_argument("--models", type=_comma_list(_model),
+                      help="the models trained, comma-separated, each with every system: "
+                      f"{', '.join(cluster_rank.MODELS)} (default mlp, 14.7 M parameters)")
     clus.add_argument("--steps", type=_positive_int, help="timed steps (default 12)")
     clus.add_argument("--repeats", type=_positive_int,
                       help="launches of every configuration per link, taken in turn (all "
@@ -155,10 +156,14 @@ def build_parser() -> argparse.ArgumentParser:
              f"{' '.join(cluster.DDP_SCHEMES)})")
     clus.add_argument("--horovod", nargs="*", choices=["none", "fp16"],
                       help="stock Horovod configurations (default: none fp16)")
-    clus.add_argument("--controller", choices=["gloo", "mpi"], default="gloo",
-                      help="how hvd-compress's Horovod runs: its Gloo controller (as "
-                      "horovodrun --gloo), or mpirun with OpenMPI's ring all-reduce "
-                      "(default gloo)")
+    clus.add_argument("--controllers", nargs="+", choices=["gloo", "mpi"],
+                      help="how hvd-compress's Horovod runs, one row each: its Gloo "
+                      "controller (as horovodrun --gloo, rows 'hvd-compress'), or mpirun "
+                      "with OpenMPI's ring all-reduce ('hvd-compress-mpi'); the ranks start "
+                      "Horovod with hvd_compress.torch.init() (default gloo)")
+    clus.add_argument("--no-floor", action="store_true",
+                      help="skip the compute floor (the same model and ranks with no "
+                      "communication; default: measured for every model and link)")
     clus.add_argument("--cycle-time-ms", type=float,
                       help="HOROVOD_CYCLE_TIME for every Horovod-based system, stock and "
                       "hvd-compress alike (default 10, what hvd_compress.torch.init sets; 0: "
@@ -205,6 +210,13 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--timeout", type=_positive_int, default=1800,
                       help="seconds before the launch is aborted (default 1800)")
     return parser
+
+
+def _model(name: str) -> str:
+    if name not in cluster_rank.MODELS:
+        raise ValueError(f"unknown model {name!r}; choose from "
+                         f"{', '.join(cluster_rank.MODELS)}")
+    return name
 
 
 def _task(name: str) -> str:
@@ -254,16 +266,17 @@ def _cluster_spec(text: str) -> str:
 
 def _cluster(args: argparse.Namespace) -> None:
     plan = cluster.Plan.quick() if args.quick else cluster.Plan()
-    given = {"ranks": args.ranks, "rates": args.rates, "model": args.model,
+    given = {"ranks": args.ranks, "rates": args.rates, "models": args.models,
              "steps": args.steps, "warmup": args.warmup, "schemes": args.schemes,
              "ddp": args.ddp, "horovod": args.horovod, "bucket_mb": args.bucket_mb,
              "accuracy_rate": args.accuracy_rate, "epochs": args.epochs, "hidden": args.hidden,
              "horovod_controllers": args.horovod_controllers, "max_epochs": args.max_epochs,
              "cycle_time_ms": args.cycle_time_ms, "repeats": args.repeats,
-             "pin_cores": args.pin_cores or None,
+             "pin_cores": args.pin_cores or None, "controllers": args.controllers,
+             "floor": False if args.no_floor else None,
              "separate": False if args.shared_processes else None}
     plan = dataclasses.replace(
-        plan, latency_ms=args.latency_ms, controller=args.controller, timeout=args.timeout,
+        plan, latency_ms=args.latency_ms, timeout=args.timeout,
         progress=lambda text: print(text, file=sys.stderr, flush=True),
         **{key: value for key, value in given.items() if value is not None})
     rows = cluster.run(plan)

@@ -97,6 +97,21 @@ DDP_SCHEMES = ("none", "fp16", "powersgd:rank=4,start_iter=2")
 HOROVOD_SCHEMES = ("none", "fp16")
 HOROVOD_SYSTEMS = ("horovod", "horovod-mpi")
 """Stock Horovod's rows: on its Gloo controller, and under ``mpirun``."""
+OURS = "hvd-compress"
+"""hvd-compress's rows: ``hvd-compress`` on Horovod's Gloo controller, ``hvd-compress-mpi``
+under ``mpirun``."""
+FLOOR = "floor"
+"""The compute floor's row: the same model and ranks, no communication at all."""
+
+
+def system_label(runs: str, controller: str | None) -> str:
+    """A row's system: ``runs`` (stock ``horovod`` or ``hvd-compress``), with ``-mpi`` when
+    its Horovod runs under ``mpirun``."""
+    return runs if controller in (None, "gloo") else f"{runs}-{controller}"
+
+
+def is_ours(row: Row) -> bool:
+    return row["system"].startswith(OURS)
 
 
 @dataclass
@@ -106,14 +121,15 @@ class Plan:
     ranks: int = 4
     rates: Sequence[str] = DEFAULT_RATES
     latency_ms: float = 0.0
-    model: str = "mlp"
+    models: Sequence[str] = ("mlp",)
     steps: int = 12
     warmup: int = 5
     schemes: Sequence[str] = DEFAULT_SCHEMES
     ddp: Sequence[str] = DDP_SCHEMES
     horovod: Sequence[str] = HOROVOD_SCHEMES
     horovod_controllers: Sequence[str] = ("gloo", "mpi")
-    controller: str = "gloo"
+    controllers: Sequence[str] = ("gloo",)
+    floor: bool = True
     cycle_time_ms: float | None = 10.0
     separate: bool = True
     bucket_mb: float | None = None
@@ -131,7 +147,7 @@ class Plan:
         """A tiny model on 2 hosts at 1 Gbit/s, 3 timed steps: checks the harness in
         seconds."""
         powersgd = "powersgd:rank=4,start_iter=2"
-        return cls(ranks=2, rates=("1gbit",), model="tiny", steps=3, warmup=2,
+        return cls(ranks=2, rates=("1gbit",), models=("tiny",), steps=3, warmup=2,
                    schemes=("none", powersgd, "topk:ratio=0.01@ps", f"auto:{powersgd}"),
                    ddp=("none", powersgd), horovod=("none",), accuracy_rate="1gbit",
                    epochs=2, max_epochs=3, hidden=32)
@@ -143,11 +159,13 @@ class Plan:
         for spec in self.schemes:
             scheme, options = split_spec(spec)
             ours.append({"scheme": scheme, **options, "bucket_mb": self.bucket_mb})
-        horovod = [System("horovod" if c == "gloo" else f"horovod-{c}", "horovod", c,
+        horovod = [System(system_label("horovod", c), "horovod", c,
                           [{"scheme": s} for s in self.horovod])
                    for c in self.horovod_controllers]
+        floor = [System(FLOOR, "local", None, [{"scheme": "none"}])] if self.floor else []
         systems = [*horovod, System("ddp", "ddp", None, [{"scheme": s} for s in self.ddp]),
-                   System("hvd-compress", "hvd-compress", self.controller, ours)]
+                   *(System(system_label(OURS, c), OURS, c, ours) for c in self.controllers),
+                   *floor]
         if self.separate:  # fresh processes for every configuration
             return [System(s.label, s.runs, s.controller, [c]) for s in systems
                     for c in s.configs]
@@ -216,10 +234,10 @@ def _stacks(directory: Path) -> str:
                    for path in sorted(directory.glob("stacks-rank*.txt")) if path.stat().st_size)
 
 
-def _rank_argv(system: System, plan: Plan, directory: Path, deadline: float,
+def _rank_argv(system: System, plan: Plan, model: str, directory: Path, deadline: float,
                digits: Digits | None) -> list[str]:
     argv = [sys.executable, "-m", "hvd_compress.bench.cluster_rank", "--system", system.runs,
-            "--configs", json.dumps(system.configs), "--model", plan.model,
+            "--configs", json.dumps(system.configs), "--model", model,
             "--steps", str(plan.steps), "--warmup", str(plan.warmup),
             "--digits-epochs", str(plan.epochs if digits else 0),
             "--digits-hidden", str(plan.hidden),
@@ -244,14 +262,18 @@ class Digits:
     target: float | None = None
 
 
-def _launch(system: System, plan: Plan, addresses: list[str], directory: Path, port: int,
-            digits: Digits | None) -> None:
-    """Run one system's configurations on the worker hosts ``addresses``."""
+def _launch(system: System, plan: Plan, model: str, addresses: list[str], directory: Path,
+            port: int, digits: Digits | None) -> None:
+    """Run one system's configurations of ``model`` on the worker hosts ``addresses``."""
     timeout = plan.timeout
-    argv = _rank_argv(system, plan, directory, time.time() + timeout - 5, digits)
+    argv = _rank_argv(system, plan, model, directory, time.time() + timeout - 5, digits)
     n = len(addresses)
     horovod_env = horovod_settings(plan)
-    if system.runs == "ddp":
+    if system.runs == "local":
+        _run_direct([host_command(i, argv, directory, addresses[i],
+                                  {"RANK": str(i), "WORLD_SIZE": str(n)}) for i in range(n)],
+                    timeout, directory)
+    elif system.runs == "ddp":
         commands = [host_command(i, argv, directory, addresses[i], {
             "MASTER_ADDR": addresses[0], "MASTER_PORT": str(port), "RANK": str(i),
             "WORLD_SIZE": str(n), "LOCAL_RANK": "0", "GLOO_SOCKET_IFNAME": "eth0"})
@@ -277,7 +299,9 @@ def _launch(system: System, plan: Plan, addresses: list[str], directory: Path, p
         finally:
             rendezvous.stop()
     else:
-        exported = [arg for key, value in horovod_env.items()
+        # The hosts' interface, for collectives="gloo" (its group finds no other address
+        # under mpirun); Horovod's MPI controller does not read it.
+        exported = [arg for key, value in {**horovod_env, "GLOO_SOCKET_IFNAME": "eth0"}.items()
                     for arg in ("-x", f"{key}={value}")]
         code = run_mpirun([*mpirun_host_args(addresses, directory), *RING_ALLREDUCE,
                            *exported, *argv],
@@ -307,20 +331,24 @@ def _server(address: str, workers: int, host: int) -> Any:
 
 
 def measure_link(plan: Plan, rate: str, digits: bool = False) -> list[Row]:
-    """Every system's rows on one link rate: step times, or with ``digits`` accuracy
-    against training seconds on digits."""
+    """Every system's rows on one link rate, for every model of the plan: step times, or
+    with ``digits`` accuracy against training seconds on digits."""
     rows: list[Row] = []
     hosts = plan.ranks + (1 if plan.needs_server else 0)
     budget = Digits() if digits else None
+    models = plan.models[:1] if digits else plan.models  # digits trains its own MLP
+    sizes = {model: MODELS[model].parameters() for model in models}
     with emulated_hosts(hosts, rate, plan.latency_ms) as addresses:
         workers = addresses[:plan.ranks]
         servers = _server(addresses[-1], plan.ranks, plan.ranks) if plan.needs_server \
             else None
         try:
-            # Step times: every configuration ``repeats`` times, in turn, so that a slow
-            # spell of the shared machine falls on every system alike. Digits: once.
-            launches = plan.systems() * (1 if digits else plan.repeats)
-            for index, system in enumerate(launches):
+            # Step times: per model, every configuration ``repeats`` times, in turn, so that
+            # a slow spell of the shared machine falls on every system alike. Digits: once.
+            systems = [s for s in plan.systems() if not (digits and s.runs == "local")]
+            launches = [(model, system) for model in models
+                        for system in systems * (1 if digits else plan.repeats)]
+            for index, (model, system) in enumerate(launches):
                 system = System(system.label, system.runs, system.controller,
                                 [dict(c) for c in system.configs])
                 for config in system.configs:
@@ -329,20 +357,20 @@ def measure_link(plan: Plan, rate: str, digits: bool = False) -> list[Row]:
                         config["ps"] = f"grpc://{servers.addresses[0]}"
                 with tempfile.TemporaryDirectory(prefix="hvdc-cluster-") as tmp:
                     directory = Path(tmp)
-                    plan.progress(f"[{rate}] {system.label}: starting {len(system.configs)} "
-                                  f"configuration(s) on {len(workers)} hosts (launch "
-                                  f"{index + 1} of {len(launches)})")
-                    _launch_with_progress(system, plan, workers, directory, 29400 + index,
-                                          rate, budget)
+                    plan.progress(f"[{rate}] {model} {system.label}: starting "
+                                  f"{len(system.configs)} configuration(s) on {len(workers)} "
+                                  f"hosts (launch {index + 1} of {len(launches)})")
+                    _launch_with_progress(system, plan, model, workers, directory,
+                                          29400 + index, rate, budget)
                     got = json.loads((directory / "rows.json").read_text())
-                widths = (64, plan.hidden, plan.hidden, 10) if digits else MODELS[plan.model]
                 for row in got:
                     row.update(system=system.label, link=rate, link_bits=rate_bits(rate),
                                latency_ms=plan.latency_ms, ranks=plan.ranks,
-                               model="digits-mlp" if digits else plan.model,
-                               parameters=parameter_count(widths),
+                               model="digits-mlp" if digits else model,
+                               parameters=parameter_count((64, plan.hidden, plan.hidden, 10))
+                               if digits else sizes[model],
                                controller=system.controller)
-                    if system.runs != "ddp":
+                    if system.runs in ("horovod", OURS):
                         row["settings"].update(horovod_settings(plan))
                     row["scheme"] = spec_label(row["scheme"], row.get("settings", {}))
                 rows += got
@@ -376,18 +404,19 @@ def pool_runs(rows: Sequence[Row]) -> list[Row]:
     timed steps of all of them (median and p90 over the pool), the per-step bytes, CPU
     and phases averaged, the replicas agreeing only if they did in every launch. A
     configuration launched once keeps its row as it is (plus ``runs: 1``)."""
-    groups: dict[tuple[str, str], list[Row]] = {}
+    groups: dict[tuple[str, str, str], list[Row]] = {}
     for row in rows:
-        groups.setdefault((row["system"], row["scheme"]), []).append(row)
+        groups.setdefault((row["model"], row["system"], row["scheme"]), []).append(row)
     pooled = []
     for runs in groups.values():
         row = dict(runs[0])
         times = [t for r in runs for t in r["step_times_s"]]
         if all("step_phases_s" in r for r in runs):
             row["step_phases_s"] = [p for r in runs for p in r["step_phases_s"]]
+        agree = [r["replicas_agree"] for r in runs]
         row.update(runs=len(runs), step_times_s=times, step_s=statistics.median(times),
                    step_p90_s=p90(times),
-                   replicas_agree=all(r["replicas_agree"] for r in runs))
+                   replicas_agree=None if None in agree else all(agree))
         if len(runs) > 1:
             row["run_step_s"] = [r["step_s"] for r in runs]
             for key in MEAN_FIELDS:
@@ -438,8 +467,8 @@ def spread_difference_interval(ours: Sequence[float], theirs: Sequence[float],
     return diffs[int(0.025 * resamples)], diffs[int(0.975 * resamples) - 1]
 
 
-def _launch_with_progress(system: System, plan: Plan, workers: list[str], directory: Path,
-                          port: int, rate: str, digits: Digits | None) -> None:
+def _launch_with_progress(system: System, plan: Plan, model: str, workers: list[str],
+                          directory: Path, port: int, rate: str, digits: Digits | None) -> None:
     """:func:`_launch` on a thread while this one relays rank 0's latest step."""
     import threading
 
@@ -447,7 +476,7 @@ def _launch_with_progress(system: System, plan: Plan, workers: list[str], direct
 
     def target() -> None:
         try:
-            _launch(system, plan, workers, directory, port, digits)
+            _launch(system, plan, model, workers, directory, port, digits)
         except BaseException as exc:  # handed to the caller below
             failure.append(exc)
 
@@ -459,7 +488,7 @@ def _launch_with_progress(system: System, plan: Plan, workers: list[str], direct
         progress = directory / "progress"
         text = progress.read_text() if progress.exists() else ""
         if text and text != shown:
-            plan.progress(f"[{rate}] {system.label}: {text}")
+            plan.progress(f"[{rate}] {model} {system.label}: {text}")
             shown = text
     if failure:
         raise failure[0]
@@ -495,15 +524,23 @@ def expected_tx_bytes(row: Row) -> float | None:
 
 def add_speedups(rows: list[Row]) -> None:
     """``speedup``: uncompressed Horovod's step time (the faster of its controllers) over
-    the row's, on the same link; ``speedup_vs_ddp``: the same against DDP with no hook."""
-    def base(systems: tuple[str, ...], link: str) -> float | None:
-        return min((r["step_s"] for r in rows if r["system"] in systems
-                    and r["scheme"] == "none" and r["link"] == link), default=None)
+    the row's, for the same model on the same link; ``speedup_vs_ddp``: the same against
+    DDP with no hook; ``floor_s`` and ``cpu_over_floor_s``: the compute floor's step time,
+    and the row's CPU seconds per step (every thread of the process) beyond the floor's:
+    what the system's own exchange costs the CPU, its communication library included."""
+    def base(systems: tuple[str, ...], row: Row) -> Row | None:
+        same = [r for r in rows if r["system"] in systems and r["scheme"] == "none"
+                and r["link"] == row["link"] and r["model"] == row["model"]]
+        return min(same, key=lambda r: r["step_s"], default=None)
 
     for row in rows:
-        horovod, ddp = base(HOROVOD_SYSTEMS, row["link"]), base(("ddp",), row["link"])
-        row["speedup"] = None if horovod is None else horovod / row["step_s"]
-        row["speedup_vs_ddp"] = None if ddp is None else ddp / row["step_s"]
+        horovod, ddp = base(HOROVOD_SYSTEMS, row), base(("ddp",), row)
+        floor = base((FLOOR,), row)
+        row["speedup"] = None if horovod is None else horovod["step_s"] / row["step_s"]
+        row["speedup_vs_ddp"] = None if ddp is None else ddp["step_s"] / row["step_s"]
+        row["floor_s"] = None if floor is None else floor["step_s"]
+        row["cpu_over_floor_s"] = None if floor is None else \
+            row["cpu_s_per_step"] - floor["cpu_s_per_step"]
         row["bytes_per_step"] = row["tx_bytes_per_step"]
         row["spread"] = row["step_p90_s"] / row["step_s"]
         row["tail_excess_s"] = tail_excess(row)
@@ -569,102 +606,152 @@ def label(row: Row) -> str:
 
 
 def markdown(rows: Sequence[Row]) -> str:
-    """One line per (system, scheme); per link, median step (p90) and bytes per host."""
-    links = list(dict.fromkeys(r["link"] for r in rows))
-    keys = list(dict.fromkeys((r["system"], r["scheme"]) for r in rows))
-    by = {(r["system"], r["scheme"], r["link"]): r for r in rows}
-    head = "| system | scheme | " + " | ".join(
-        f"{link}: step s (p90) | {link}: MB sent/host/step | {link}: vs Horovod | "
-        f"{link}: vs DDP" for link in links) + " |"
-    lines = [head, "|---|---|" + "---:|" * (4 * len(links))]
-    for system, scheme in keys:
-        cells = []
-        for link in links:
-            r = by.get((system, scheme, link))
-            if r is None:
-                cells += ["–"] * 4
-                continue
-            cells += [f"{r['step_s']:.3f} ({r['step_p90_s']:.3f})",
-                      f"{r['bytes_per_step'] / 1e6:.2f}",
-                      "–" if r["speedup"] is None else f"{r['speedup']:.1f}×",
-                      "–" if r["speedup_vs_ddp"] is None else f"{r['speedup_vs_ddp']:.1f}×"]
-        lines.append(f"| {system} | `{scheme}` | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    """A table per model: one line per (system, scheme); per link, median step (p90),
+    bytes per host, the speed-ups and the CPU time per step beyond the compute floor."""
+    tables = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model]
+        links = list(dict.fromkeys(r["link"] for r in mine))
+        keys = list(dict.fromkeys((r["system"], r["scheme"]) for r in mine))
+        by = {(r["system"], r["scheme"], r["link"]): r for r in mine}
+        about = MODELS[model].about if model in MODELS else model
+        head = "| system | scheme | " + " | ".join(
+            f"{link}: step s (p90) | {link}: MB sent/host/step | {link}: vs Horovod | "
+            f"{link}: vs DDP | {link}: CPU ms/step over floor" for link in links) + " |"
+        lines = [f"**{model}** ({mine[0]['parameters'] / 1e6:.2f} M parameters; {about})",
+                 "", head, "|---|---|" + "---:|" * (5 * len(links))]
+        for system, scheme in keys:
+            cells = []
+            for link in links:
+                r = by.get((system, scheme, link))
+                if r is None:
+                    cells += ["–"] * 5
+                    continue
+                over = r.get("cpu_over_floor_s")
+                cells += [f"{r['step_s']:.3f} ({r['step_p90_s']:.3f})",
+                          f"{r['bytes_per_step'] / 1e6:.2f}",
+                          "–" if r["speedup"] is None else f"{r['speedup']:.1f}×",
+                          "–" if r["speedup_vs_ddp"] is None else f"{r['speedup_vs_ddp']:.1f}×",
+                          "–" if over is None or system == FLOOR else f"{1000 * over:.0f}"]
+            lines.append(f"| {system} | `{scheme}` | " + " | ".join(cells) + " |")
+        tables.append("\n".join(lines))
+    return "\n\n".join(tables)
+
+
+HOOK_RATIO = 0.9
+"""Our PowerSGD's target step time against DDP's ``powerSGD_hook`` at the same rank."""
+
+
+def _step(rows: Sequence[Row], model: str, link: str, system: str, scheme: str
+          ) -> Row | None:
+    return next((r for r in rows if r["model"] == model and r["link"] == link
+                 and r["system"] == system and r["scheme"] == scheme), None)
+
+
+def _hook_targets(rows: Sequence[Row], model: str, link: str) -> list[str]:
+    """Per launcher of ours: PowerSGD, on the faster of its routes (Horovod's collectives or
+    ``@gloo``), at most :data:`HOOK_RATIO` of DDP's hook; 1-bit and top-k no slower than the
+    hook; at <= 100 Mbit/s PowerSGD within 2x the compute floor plus its bytes' time."""
+    lines = []
+    hooks = [r for r in rows if r["model"] == model and r["link"] == link
+             and r["system"] == "ddp" and r["scheme"].startswith("powersgd")]
+    for hook in hooks:
+        for system in dict.fromkeys(r["system"] for r in rows if is_ours(r)):
+            mine = [r for r in rows if r["model"] == model and r["link"] == link
+                    and r["system"] == system]
+            routes = [r for r in mine if split_spec(r["scheme"])[0] == hook["scheme"]]
+            if routes:
+                best = min(routes, key=lambda r: r["step_s"])
+                ok = best["step_s"] <= HOOK_RATIO * hook["step_s"]
+                lines.append(f"{'PASS' if ok else 'FAIL'}  {model} {link}: {label(best)} "
+                             f"{best['step_s']:.3f} s <= {HOOK_RATIO} x DDP "
+                             f"{hook['scheme']} hook {hook['step_s']:.3f} s "
+                             f"({best['step_s'] / hook['step_s']:.2f} x)")
+            for r in mine:
+                if r["scheme"].split(":")[0] in ("onebit", "topk"):
+                    ok = r["step_s"] <= hook["step_s"]
+                    lines.append(f"{'PASS' if ok else 'FAIL'}  {model} {link}: {label(r)} "
+                                 f"{r['step_s']:.3f} s <= DDP powerSGD_hook "
+                                 f"{hook['step_s']:.3f} s")
+    for r in rows:
+        if r["model"] != model or r["link"] != link or not is_ours(r) \
+                or not r["scheme"].startswith("powersgd") or rate_bits(link) > 1e8:
+            continue
+        if r.get("floor_s") is not None and r.get("expected_tx_bytes"):
+            limit = 2 * (r["floor_s"] + 8 * r["expected_tx_bytes"] / r["link_bits"])
+            ok = r["step_s"] <= limit
+            lines.append(f"{'PASS' if ok else 'FAIL'}  {model} {link}: {label(r)} "
+                         f"{r['step_s']:.3f} s <= 2 x (compute floor {r['floor_s']:.3f} s + "
+                         f"its bytes' time on the link) = {limit:.3f} s")
+    return lines
 
 
 def targets(rows: Sequence[Row]) -> list[str]:
-    """PASS/FAIL lines for the goals that compare rows of this run (never enforced)."""
-    def step(system: str, scheme: str, link: str) -> float | None:
-        return next((r["step_s"] for r in rows if r["system"] == system
-                     and r["scheme"] == scheme and r["link"] == link), None)
-
+    """PASS/FAIL lines for the goals that compare rows of this run (never enforced), per
+    model and link."""
     lines = []
-    for link in dict.fromkeys(r["link"] for r in rows):
-        for r in rows:
-            if r["link"] != link or r["system"] != "hvd-compress":
+    for model, link in dict.fromkeys((r["model"], r["link"]) for r in rows):
+        here = [r for r in rows if r["model"] == model and r["link"] == link]
+        where = f"{model} {link}"
+        lines += _hook_targets(rows, model, link)
+        for r in here:
+            if not is_ours(r):
                 continue
             scheme = split_spec(r["scheme"])[0]  # DDP's rows carry no suffix
-            if scheme.startswith("powersgd"):
-                hook = step("ddp", scheme, link)
-                if hook is not None:
-                    ok = r["step_s"] <= hook
-                    lines.append(f"{'PASS' if ok else 'FAIL'}  {link}: {label(r)} "
-                                 f"{r['step_s']:.3f} s <= DDP powerSGD_hook {hook:.3f} s")
             if r["scheme"].split(":")[0] in SPEEDUP_SCHEMES and rate_bits(link) <= 1e8:
                 for key, peer, goal in (("speedup", "uncompressed Horovod", 8),
                                         ("speedup_vs_ddp", "DDP with no hook", 4)):
                     if r[key] is not None:
                         ok = r[key] >= goal
-                        lines.append(f"{'PASS' if ok else 'FAIL'}  {link}: {label(r)} "
+                        lines.append(f"{'PASS' if ok else 'FAIL'}  {where}: {label(r)} "
                                      f"{r[key]:.1f}x vs {peer} (target {goal}x)")
-            if scheme.startswith("powersgd"):
-                hook = next((h for h in rows if h["system"] == "ddp" and h["link"] == link
-                             and h["scheme"] == scheme), None)
-                if hook is not None:
-                    ok = r["spread"] <= hook["spread"]
-                    low, high = spread_difference_interval(r["step_times_s"],
-                                                           hook["step_times_s"])
-                    told = "not told apart" if low <= 0 <= high else "told apart"
-                    difference = r["spread"] - hook["spread"]
-                    counts = f"{len(r['step_times_s'])} and {len(hook['step_times_s'])}"
-                    lines.append(f"{'PASS' if ok else 'FAIL'}  {link}: {label(r)} spread "
-                                 f"(p90/median) {r['spread']:.2f} <= DDP powerSGD_hook's "
-                                 f"{hook['spread']:.2f} (difference {difference:+.2f}, "
-                                 f"95% interval {low:+.2f} to {high:+.2f}: {told}, "
-                                 f"{counts} steps)")
+            hook = _step(rows, model, link, "ddp", scheme)
+            if scheme.startswith("powersgd") and hook is not None:
+                ok = r["spread"] <= hook["spread"]
+                low, high = spread_difference_interval(r["step_times_s"],
+                                                       hook["step_times_s"])
+                told = "not told apart" if low <= 0 <= high else "told apart"
+                difference = r["spread"] - hook["spread"]
+                counts = f"{len(r['step_times_s'])} and {len(hook['step_times_s'])}"
+                lines.append(f"{'PASS' if ok else 'FAIL'}  {where}: {label(r)} spread "
+                             f"(p90/median) {r['spread']:.2f} <= DDP powerSGD_hook's "
+                             f"{hook['spread']:.2f} (difference {difference:+.2f}, "
+                             f"95% interval {low:+.2f} to {high:+.2f}: {told}, "
+                             f"{counts} steps)")
             if r.get("wire_ratio") is not None:
                 ok = abs(r["wire_ratio"] - 1) <= 0.1
-                lines.append(f"{'PASS' if ok else 'FAIL'}  {link}: {label(r)} TCP payload "
+                lines.append(f"{'PASS' if ok else 'FAIL'}  {where}: {label(r)} TCP payload "
                              f"sent {r['tx_payload_bytes_per_step'] / 1e6:.3f} MB = "
                              f"{r['wire_ratio']:.3f} x what its collectives should send "
                              f"(target within 10%; with the packets' headers "
                              f"{r['bytes_per_step'] / 1e6:.3f} MB, "
                              f"{100 * r['header_share']:.1f}% headers)")
-        for r in rows:
-            if r["link"] == link and r["system"] == "hvd-compress" and \
-                    r["scheme"].startswith("auto:"):
+            if r["scheme"].startswith("auto:"):
                 inner = r["scheme"].removeprefix("auto:")
-                peers = {s: step("hvd-compress", s, link) for s in ("none", "fp16", inner)}
-                known = {s: t for s, t in peers.items() if t is not None}
+                peers = {s: _step(rows, model, link, r["system"], s)
+                         for s in ("none", "fp16", inner)}
+                known = {s: p["step_s"] for s, p in peers.items() if p is not None}
                 if known:
                     best = min(known, key=known.__getitem__)
                     ok = r["step_s"] <= 1.05 * known[best]
-                    lines.append(f"{'PASS' if ok else 'FAIL'}  {link}: {label(r)} "
+                    lines.append(f"{'PASS' if ok else 'FAIL'}  {where}: {label(r)} "
                                  f"{r['step_s']:.3f} s <= 1.05 x the best of "
                                  f"{', '.join(known)} ({best} {known[best]:.3f} s)")
-        ours = step("hvd-compress", "none", link)
-        ddp = step("ddp", "none", link)
+        ours = _step(rows, model, link, OURS, "none")
+        ddp = _step(rows, model, link, "ddp", "none")
         if ours is not None and ddp is not None and rate_bits(link) >= 1e10:
-            ok = ours <= 1.25 * ddp
-            lines.append(f"{'PASS' if ok else 'FAIL'}  {link}: hvd-compress none "
-                         f"{ours:.3f} s <= 1.25 x DDP no hook {ddp:.3f} s")
+            ok = ours["step_s"] <= 1.25 * ddp["step_s"]
+            lines.append(f"{'PASS' if ok else 'FAIL'}  {where}: hvd-compress none "
+                         f"{ours['step_s']:.3f} s <= 1.25 x DDP no hook {ddp['step_s']:.3f} s")
     for r in rows:
-        if not r["replicas_agree"]:
-            lines.append(f"FAIL  {r['link']}: {label(r)}: replicas differ after training")
+        if r["replicas_agree"] is False:
+            lines.append(f"FAIL  {r['model']} {r['link']}: {label(r)}: replicas differ after "
+                         "training")
     return lines
 
 
-STYLES = {"ddp": "--", "horovod": ":", "horovod-mpi": "-.", "hvd-compress": "-"}
+STYLES = {"ddp": "--", "horovod": ":", "horovod-mpi": "-.", "hvd-compress": "-",
+          "hvd-compress-mpi": "-", FLOOR: ":"}
 """Line style of each system in the plots."""
 
 
@@ -691,14 +778,18 @@ def _figure(path: Path, title: str) -> Iterator[Any]:
 def plot_steps(rows: Sequence[Row], path: Path) -> None:
     """Step time against link rate, one line per (system, scheme), log-log."""
     first = rows[0]
-    title = (f"{first['ranks']} emulated hosts, MLP {first['parameters'] / 1e6:.1f} M "
-             "parameters")
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    title = (f"{first['ranks']} emulated hosts, {first['model']} "
+             f"({first['parameters'] / 1e6:.1f} M parameters)" if len(models) == 1
+             else f"{first['ranks']} emulated hosts, {', '.join(models)}")
     with _figure(path, title) as ax:
-        for system, scheme in dict.fromkeys((r["system"], r["scheme"]) for r in rows):
-            mine = sorted((r for r in rows if r["system"] == system and r["scheme"] == scheme),
-                          key=lambda r: r["link_bits"])
+        for model, system, scheme in dict.fromkeys((r["model"], r["system"], r["scheme"])
+                                                   for r in rows):
+            mine = sorted((r for r in rows if r["model"] == model and r["system"] == system
+                           and r["scheme"] == scheme), key=lambda r: r["link_bits"])
+            name = f"{system} {scheme}" if len(models) == 1 else f"{model}: {system} {scheme}"
             ax.plot([r["link_bits"] / 1e6 for r in mine], [r["step_s"] for r in mine],
-                    STYLES.get(system, "-"), marker="o", label=f"{system} {scheme}")
+                    STYLES.get(system, "-"), marker="o", label=name)
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("link rate, Mbit/s")
@@ -727,7 +818,7 @@ def accuracy_targets(rows: Sequence[Row]) -> list[str]:
     lines = [f"FAIL  {r['link']} digits: {label(r)}: replicas differ after training"
              for r in rows if not r["replicas_agree"]]
     for r in rows:
-        if r["system"] == "hvd-compress" and r["scheme"] != "none":
+        if is_ours(r) and r["scheme"] != "none":
             got = r["time_to_target_s"]
             ok = got is not None and got < base["time_to_target_s"]
             shown = "never" if got is None else f"{got:.1f} s"
@@ -771,9 +862,9 @@ def summary(rows: Sequence[Row]) -> str:
     if lines:
         out += ["", "Targets:", *lines]
     if steps:
-        spreads = [f"{label(r)} @ {r['link']}: {r['spread']:.2f}" for r in steps]
+        spreads = [f"{r['model']} {label(r)} @ {r['link']}: {r['spread']:.2f}" for r in steps]
         out += ["", "Spread (p90 / median): " + "; ".join(spreads)]
-        tails = [f"- {label(r)} @ {r['link']}: " + ", ".join(
+        tails = [f"- {r['model']} {label(r)} @ {r['link']}: " + ", ".join(
             f"{name} {1000 * excess:+.1f} ms" for name, excess in r["tail_excess_s"].items())
             for r in steps if r.get("tail_excess_s")]
         if tails:

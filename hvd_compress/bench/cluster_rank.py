@@ -33,6 +33,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,13 +42,6 @@ from torch import nn
 
 from hvd_compress.bench.hosts import interface_counters
 
-MODELS: dict[str, tuple[int, ...]] = {
-    "mlp": (1024, 4096, 2048, 1024),
-    "mlp8m": (1024, 2048, 2048, 1024),
-    "tiny": (64, 256, 128, 64),
-}
-"""Layer widths of the MLPs (``Linear``-``ReLU`` between each pair): ``mlp`` has 14.7 M
-parameters (59 MB of float32 gradients), ``mlp8m`` 8.4 M, ``tiny`` 58 K."""
 BATCH = 32
 
 
@@ -65,6 +59,81 @@ def parameter_count(widths: Sequence[int]) -> int:
     return sum(a * b + b for a, b in itertools.pairwise(widths))
 
 
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One model of the zoo: how to build it (the same weights on every rank from one
+    seed) and one rank's random batch of inputs and class targets; the loss is the
+    cross-entropy of the logits (for a sequence, of every position's)."""
+
+    build: Callable[[int], nn.Module]
+    batch: Callable[[torch.Generator], Batch]
+    about: str
+
+    def parameters(self) -> int:
+        return sum(p.numel() for p in self.build(0).parameters())
+
+
+def _mlp(widths: tuple[int, ...]) -> Workload:
+    def batch(gen: torch.Generator) -> Batch:
+        return (torch.randn(BATCH, widths[0], generator=gen),
+                torch.randint(0, widths[-1], (BATCH,), generator=gen))
+
+    return Workload(lambda seed: make_model(widths, seed), batch,
+                    "MLP " + "-".join(map(str, widths)))
+
+
+def _cnn(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for a, b in ((3, 32), (32, 64), (64, 128)):
+        layers += [nn.Conv2d(a, b, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)]
+    return nn.Sequential(*layers, nn.Flatten(), nn.Linear(128 * 4 * 4, 1024), nn.ReLU(),
+                         nn.Linear(1024, 10))
+
+
+def _images(gen: torch.Generator) -> Batch:
+    return (torch.randn(BATCH, 3, 32, 32, generator=gen),
+            torch.randint(0, 10, (BATCH,), generator=gen))
+
+
+LM_VOCAB, LM_CONTEXT, LM_BATCH = 96, 32, 16
+
+
+def _transformer(seed: int) -> nn.Module:
+    from hvd_compress.bench.converge_rank import CharTransformer
+
+    torch.manual_seed(seed)
+    return CharTransformer(LM_VOCAB, LM_CONTEXT, d=256, layers=2, heads=4)
+
+
+def _characters(gen: torch.Generator) -> Batch:
+    text = torch.randint(0, LM_VOCAB, (LM_BATCH, LM_CONTEXT + 1), generator=gen)
+    return text[:, :-1], text[:, 1:]
+
+
+MODELS: dict[str, Workload] = {
+    "mlp": _mlp((1024, 4096, 2048, 1024)),
+    "mlp8m": _mlp((1024, 2048, 2048, 1024)),
+    "mlp-deep": _mlp((1024, 2048, 2048, 2048, 1024)),
+    "mlp-narrow": _mlp((512, 1024, 1024, 1024, 1024, 512)),
+    "cnn": Workload(_cnn, _images, "CNN: 3 conv 3x3 (32, 64, 128 channels) with max-pool, "
+                    "then Linear(2048, 1024)-Linear(1024, 10), 3x32x32 images"),
+    "transformer": Workload(_transformer, _characters,
+                            "bench converge's character transformer at d=256, 2 layers, "
+                            f"4 heads, context {LM_CONTEXT}, {LM_VOCAB} symbols, batch "
+                            f"{LM_BATCH}"),
+    "tiny": _mlp((64, 256, 128, 64)),
+}
+"""The zoo ``bench cluster --models`` trains: MLPs of several widths and depths (``mlp``:
+14.7 M parameters, 59 MB of float32 gradients; ``mlp8m`` 8.4 M; ``mlp-deep`` three hidden
+layers of 2048; ``mlp-narrow`` four of 1024), a small CNN (4-D weights, which PowerSGD
+reshapes), a character transformer (embeddings, layer norms, many small tensors), and
+``tiny`` for the harness's own test."""
+
+
 def _checksum(model: nn.Module) -> torch.Tensor:
     return torch.stack([p.detach().double().sum() for p in model.parameters()])
 
@@ -79,10 +148,17 @@ class _System:
 
             dist.init_process_group("gloo")
             self.rank, self.size = dist.get_rank(), dist.get_world_size()
+        elif name == "local":
+            self.rank, self.size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         else:
             import horovod.torch as hvd
 
-            hvd.init()
+            if name == "hvd-compress":  # as its README starts it (Horovod's and MPI's knobs)
+                import hvd_compress.torch as hvdc
+
+                hvdc.init()
+            else:
+                hvd.init()
             self.rank, self.size = hvd.rank(), hvd.size()
 
     def wrap(self, model: nn.Module, config: dict[str, Any], lr: float = 0.01,
@@ -92,6 +168,8 @@ class _System:
         scheme = config["scheme"]
         if self.name == "ddp":
             return self._ddp(model, optimizer, scheme)
+        if self.name == "local":  # the compute floor: no exchange at all
+            return model, optimizer, {"communication": None}
         import horovod.torch as hvd
 
         if self.name == "horovod":
@@ -146,8 +224,12 @@ class _System:
                 raise ValueError(f"ddp runs none, fp16 or powersgd, not {scheme!r}")
         return ddp, optimizer, settings
 
-    def replicas_agree(self, model: nn.Module) -> bool:
+    def replicas_agree(self, model: nn.Module) -> bool | None:
+        """Whether every rank holds the same parameters (``None`` for ``local``, whose
+        ranks never exchange)."""
         local = _checksum(model)
+        if self.name == "local":
+            return None
         if self.name == "ddp":
             import torch.distributed as dist
 
@@ -162,6 +244,8 @@ class _System:
     def rank0(self, flag: bool) -> bool:
         """Rank 0's ``flag`` on every rank (a decision every rank must take alike)."""
         value = torch.tensor([float(flag) if self.rank == 0 else 0.0])
+        if self.name == "local":
+            return flag
         if self.name == "ddp":
             import torch.distributed as dist
 
@@ -173,6 +257,8 @@ class _System:
         return bool(value.item())
 
     def barrier(self, tag: str) -> None:
+        if self.name == "local":
+            return
         if self.name == "ddp":
             import torch.distributed as dist
 
@@ -257,14 +343,18 @@ def _stats(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     return out
 
 
-def run_config(system: _System, widths: Sequence[int], config: dict[str, Any], steps: int,
+def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                       target.reshape(-1))
+
+
+def run_config(system: _System, workload: Workload, config: dict[str, Any], steps: int,
                warmup: int, progress: Callable[[str], None]) -> dict[str, Any]:
-    model = make_model(widths)
+    model = workload.build(0)
     forward, optimizer, settings = system.wrap(model, config)
     gen = torch.Generator().manual_seed(1000 + system.rank)
-    batches = [(torch.randn(BATCH, widths[0], generator=gen),
-                torch.randint(0, widths[-1], (BATCH,), generator=gen)) for _ in range(4)]
-    loss_fn = nn.CrossEntropyLoss()
+    batches = [workload.batch(gen) for _ in range(4)]
+    loss_fn = _loss
     times: list[float] = []
     step_phases: list[tuple[float, float, float]] = []  # per step, in PHASES order
     exchange: dict[str, float] = {}  # hvd-compress's own breakdown (StepStats.seconds)
@@ -386,7 +476,8 @@ def run_digits(system: _System, hidden: int, config: dict[str, Any], epochs: int
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--system", choices=("ddp", "horovod", "hvd-compress"), required=True)
+    parser.add_argument("--system", choices=("ddp", "horovod", "hvd-compress", "local"),
+                        required=True)
     parser.add_argument("--configs", required=True, help="JSON list of configurations")
     parser.add_argument("--model", choices=sorted(MODELS), required=True)
     parser.add_argument("--steps", type=int, required=True)
