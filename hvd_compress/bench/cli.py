@@ -1,5 +1,5 @@
-"""Command line: ``python -m hvd_compress.bench {wire,kernels,ps,link,cluster,converge}
-[options]``."""
+"""Command line: ``python -m hvd_compress.bench
+{wire,kernels,ps,link,cluster,overhead,converge} [options]``."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from hvd_compress.bench import (
     converge,
     kernels,
     link,
+    overhead,
     ps,
     selection,
     wire_bytes,
@@ -187,6 +188,20 @@ def build_parser() -> argparse.ArgumentParser:
                       help="width of the digits MLP's two hidden layers (default 1024)")
     clus.add_argument("--timeout", type=_positive_int, default=1800,
                       help="seconds before a launch is aborted (default 1800)")
+    over = commands.add_parser("overhead", help="our PowerSGD's CPU time per step against "
+                               "DDP's powerSGD_hook's, in one process on one rank")
+    over.add_argument("--json", type=Path, help="write the rows to this file")
+    over.add_argument("--models", type=_comma_list(_model),
+                      default=list(overhead.DEFAULT_MODELS),
+                      help=f"comma-separated (default {','.join(overhead.DEFAULT_MODELS)})")
+    over.add_argument("--steps", type=_positive_int, default=20,
+                      help="timed steps per system and turn (default 20)")
+    over.add_argument("--warmup", type=_positive_int, default=5,
+                      help="untimed steps first, past PowerSGD's start (default 5)")
+    over.add_argument("--repeats", type=_positive_int, default=3,
+                      help="turns of all systems (default 3)")
+    over.add_argument("--rank", type=_positive_int, default=4,
+                      help="PowerSGD's rank, both systems (default 4)")
     conv = commands.add_parser("converge", help="held-out loss and accuracy of every scheme "
                                "at its recommended settings against uncompressed, 2 ranks")
     conv.add_argument("--out-dir", type=Path, help="write converge.json, converge.md, "
@@ -338,6 +353,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         _cluster(args)
     elif args.command == "converge":
         _converge(args, argv)
+    elif args.command == "overhead":
+        if args.warmup < 3:
+            raise SystemExit("--warmup must be at least 3: PowerSGD starts at step 2")
+        rows = overhead.run(args.models, args.steps, args.warmup, args.repeats, args.rank,
+                            progress=lambda text: print(text, file=sys.stderr, flush=True))
+        publish(overhead.title(args.steps, args.repeats, args.rank), rows, overhead.COLUMNS,
+                [], args.json)
+        print("\nTargets:\n" + "\n".join(overhead.targets(rows)))
     elif args.command == "link":
         link.rate_bits(args.rate)
         ring = args.allreduce == "ring"

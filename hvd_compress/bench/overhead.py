@@ -1,0 +1,201 @@
+"""``bench overhead``: what our PowerSGD costs the CPU per step, against DDP's
+``powerSGD_hook``, side by side in one process.
+
+On a cluster the exchange's own computation competes with the model's for the cores; a
+multi-host run mixes it with waiting on the network. Here one process, a world of one rank
+(nothing to wait for), trains each model of ``bench cluster``'s zoo
+(:data:`~hvd_compress.bench.cluster_rank.MODELS`) in turn with:
+
+- ``floor``: plain SGD, no exchange;
+- ``ddp``: ``DistributedDataParallel`` (one bucket, as ``bench cluster`` runs the hook)
+  whose comm hook hands the bucket back untouched: DDP's own cost, no compression;
+- ``hook``: the same DDP with ``powerSGD_hook`` (error feedback, warm start);
+- ``ours``: :func:`hvd_compress.torch.DistributedOptimizer` with PowerSGD at the same rank
+  and start, on Horovod started in this process.
+
+Each is timed for ``steps`` steps after ``warmup`` (past PowerSGD's start), ``repeats``
+times in turn so a slow spell of the machine falls on all alike. Per step: the median
+wall time and the mean CPU seconds of the whole process. The hook's own cost is ``hook``
+less ``ddp``; ours is ``ours`` less ``floor``, and the sum of our optimizer's measured
+phases (``feedback``, ``scheme``, ``fuse``, ``commit``: its work on the training thread,
+without waits). Horovod's background cycle (``HOROVOD_CYCLE_TIME``) delays a one-rank
+all-reduce without using the CPU, so CPU seconds, not wall time, compare the two.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from hvd_compress.bench.cluster_rank import MODELS, Workload, _loss
+from hvd_compress.bench.report import Column, Row
+
+SYSTEMS = ("floor", "ddp", "hook", "ours")
+OWN_PHASES = ("feedback", "scheme", "fuse", "commit", "report")
+"""Our optimizer's phases that are its own work (the others are ``wait ...``)."""
+DEFAULT_MODELS = ("mlp", "mlp8m", "mlp-deep", "mlp-narrow", "cnn", "transformer")
+CPU_RATIO = 1.2
+"""Target: our own CPU seconds per step at most this times the hook's."""
+
+
+def _cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _unchanged(state, bucket):
+    """A DDP comm hook that sends nothing: the bucket comes back as it is. (No annotations:
+    DDP checks them, and these would be strings.)"""
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
+def _wrap(system: str, model: nn.Module, rank: int, start: int
+          ) -> tuple[nn.Module, torch.optim.Optimizer]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    if system == "floor":
+        return model, optimizer
+    if system in ("ddp", "hook"):
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = DistributedDataParallel(model, bucket_cap_mb=1000, init_sync=False)
+        if system == "hook":
+            state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
+                                       start_powerSGD_iter=start, use_error_feedback=True,
+                                       warm_start=True)
+            ddp.register_comm_hook(state, psgd.powerSGD_hook)
+        else:
+            ddp.register_comm_hook(None, _unchanged)
+        return ddp, optimizer
+    import hvd_compress.torch as hvdc
+    from hvd_compress import Compression
+
+    scheme = Compression.powersgd(rank=rank, start_iter=start)
+    return model, hvdc.DistributedOptimizer(optimizer, compression=scheme,
+                                            named_parameters=model.named_parameters())
+
+
+def time_system(system: str, workload: Workload, steps: int, warmup: int, rank: int,
+                start: int) -> dict[str, Any]:
+    """``steps`` timed steps of one system on a fresh model: per-step wall times, CPU
+    seconds per step and (ours) the optimizer's own phases per step."""
+    forward, optimizer = _wrap(system, workload.build(0), rank, start)
+    batch = workload.batch(torch.Generator().manual_seed(0))
+    times: list[float] = []
+    phases: dict[str, float] = {}
+    cpu0 = 0.0
+    for step in range(warmup + steps):
+        if step == warmup:
+            cpu0 = _cpu()
+        began = time.perf_counter()
+        optimizer.zero_grad()
+        _loss(forward(batch[0]), batch[1]).backward()
+        optimizer.step()
+        times.append(time.perf_counter() - began)
+        stats = getattr(optimizer, "compression_stats", None)
+        if stats is not None and step >= warmup:
+            for part, spent in stats.seconds.items():
+                phases[part] = phases.get(part, 0.0) + spent / steps
+    return {"times": times[warmup:], "cpu": (_cpu() - cpu0) / steps, "phases": phases}
+
+
+@contextmanager
+def one_rank_world() -> Iterator[None]:
+    """A ``torch.distributed`` Gloo group and Horovod, each of one rank, in this process."""
+    import horovod.torch as hvd
+    import torch.distributed as dist
+
+    import hvd_compress.torch as hvdc
+
+    with tempfile.TemporaryDirectory(prefix="hvdc-overhead-") as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0,
+                                world_size=1)
+        os.environ.setdefault("HOROVOD_GLOO", "1")  # no MPI singleton for one rank
+        hvdc.init()
+        try:
+            yield
+        finally:
+            hvd.shutdown()
+            dist.destroy_process_group()
+
+
+def run(models: Sequence[str], steps: int = 20, warmup: int = 5, repeats: int = 3,
+        rank: int = 4, start: int = 2,
+        progress: Callable[[str], None] = lambda text: None) -> list[Row]:
+    """One row per model: each system's median step and CPU per step, the hook's and our
+    own cost, and their ratio."""
+    torch.set_num_threads(1)
+    rows = []
+    with one_rank_world():
+        for name in models:
+            workload = MODELS[name]
+            runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SYSTEMS}
+            for turn in range(repeats):
+                for system in SYSTEMS:
+                    progress(f"{name}: {system} ({turn + 1} of {repeats})")
+                    runs[system].append(time_system(system, workload, steps, warmup, rank,
+                                                    start))
+            rows.append(summarise(name, workload, runs))
+    return rows
+
+
+def summarise(name: str, workload: Workload, runs: dict[str, list[dict[str, Any]]]) -> Row:
+    step = {s: statistics.median(t for r in runs[s] for t in r["times"]) for s in SYSTEMS}
+    cpu = {s: statistics.mean(r["cpu"] for r in runs[s]) for s in SYSTEMS}
+    phases = {part: statistics.mean(r["phases"].get(part, 0.0) for r in runs["ours"])
+              for part in OWN_PHASES}
+    hook_cpu, ours_cpu = cpu["hook"] - cpu["ddp"], cpu["ours"] - cpu["floor"]
+    return {"model": name, "parameters": workload.parameters(), "about": workload.about,
+            "step_s": step, "cpu_s": cpu,
+            "hook_wall_s": step["hook"] - step["ddp"], "hook_cpu_s": hook_cpu,
+            "ours_cpu_s": ours_cpu, "ours_phases_s": phases,
+            "ours_phases_total_s": sum(phases.values()),
+            "cpu_ratio": ours_cpu / hook_cpu if hook_cpu > 0 else None}
+
+
+def _ms(value: float) -> str:
+    return f"{1000 * value:.1f}"
+
+
+COLUMNS = [
+    Column("model", lambda r: r["model"]),
+    Column("params M", lambda r: f"{r['parameters'] / 1e6:.2f}"),
+    *(Column(f"{s} step ms", lambda r, s=s: _ms(r["step_s"][s])) for s in SYSTEMS),
+    Column("hook CPU ms", lambda r: _ms(r["hook_cpu_s"])),
+    Column("ours CPU ms", lambda r: _ms(r["ours_cpu_s"])),
+    Column("ours phases ms", lambda r: _ms(r["ours_phases_total_s"])),
+    Column("ours/hook CPU", lambda r: "-" if r["cpu_ratio"] is None
+           else f"{r['cpu_ratio']:.2f}"),
+]
+
+
+def title(steps: int, repeats: int, rank: int) -> str:
+    return (f"PowerSGD rank {rank}: our optimizer against DDP's powerSGD_hook, one process, "
+            f"one rank, one thread; {repeats} x {steps} timed steps per system, in turn. "
+            "CPU: the process's seconds per step beyond the floor's (ours) or beyond DDP "
+            "with a hook that sends nothing (the hook's)")
+
+
+def targets(rows: Sequence[Row]) -> list[str]:
+    lines = []
+    for r in rows:
+        if r["cpu_ratio"] is None:
+            lines.append(f"FAIL  {r['model']}: the hook's CPU time was not measured above "
+                         "DDP's own")
+            continue
+        ok = r["cpu_ratio"] <= CPU_RATIO
+        lines.append(f"{'PASS' if ok else 'FAIL'}  {r['model']}: our CPU per step "
+                     f"{_ms(r['ours_cpu_s'])} ms <= {CPU_RATIO} x the hook's "
+                     f"{_ms(r['hook_cpu_s'])} ms ({r['cpu_ratio']:.2f} x)")
+    return lines
