@@ -380,6 +380,25 @@ def test_cluster_bench_quick_trains_every_system_on_emulated_hosts(tmp_path: Pat
 
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("tc") or not shutil.which("ip"),
                     reason="needs root, ip and tc for network namespaces")
+def test_cluster_bench_reports_a_failed_launch_with_its_cause_and_goes_on(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A launch that fails (here: over its time limit) becomes a row with its cause, the
+    next launch still runs, the report names it, and the command exits with 1."""
+    out = tmp_path / "rows.json"
+    assert main(["cluster", "--quick", "--epochs", "0", "--ddp", "--horovod", "--schemes",
+                 "none", "--timeout", "3", "--json", str(out)]) == 1
+    rows = json.loads(out.read_text())
+    assert [(r["task"], r["system"]) for r in rows] == [("failed", "hvd-compress"),
+                                                        ("failed", "floor")]
+    assert all("after the time limit of 3 s" in r["cause"] for r in rows)
+    printed = capsys.readouterr()
+    assert "FAILED LAUNCH  tiny 1gbit: hvd-compress none:" in printed.out
+    assert "2 launch(es) failed" in printed.err
+    assert leftover_network_objects() == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("tc") or not shutil.which("ip"),
+                    reason="needs root, ip and tc for network namespaces")
 def test_cluster_bench_repeats_take_turns_and_pool_their_steps(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``--repeats 2``: the systems launch in turn (DDP, ours, DDP, ours), each row pools

@@ -279,7 +279,9 @@ def _cluster_spec(text: str) -> str:
     return text
 
 
-def _cluster(args: argparse.Namespace) -> None:
+def _cluster(args: argparse.Namespace) -> int:
+    """Run the plan and write its report; 1 if a launch failed (the others' rows are still
+    written, and the report gives the failure's cause), else 0."""
     plan = cluster.Plan.quick() if args.quick else cluster.Plan()
     given = {"ranks": args.ranks, "rates": args.rates, "models": args.models,
              "steps": args.steps, "warmup": args.warmup, "schemes": args.schemes,
@@ -313,6 +315,11 @@ def _cluster(args: argparse.Namespace) -> None:
                                   args.out_dir / "cluster-accuracy.png")
             written.append("cluster-accuracy.png")
         print(f"wrote {', '.join(written)} to {args.out_dir}")
+    failed = cluster.failed_rows(rows)
+    if failed:
+        print(f"{len(failed)} launch(es) failed; their causes are in the report",
+              file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _kernels(args: argparse.Namespace) -> None:
@@ -350,7 +357,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args.command == "kernels":
         _kernels(args)
     elif args.command == "cluster":
-        _cluster(args)
+        return _cluster(args)
     elif args.command == "converge":
         _converge(args, argv)
     elif args.command == "overhead":

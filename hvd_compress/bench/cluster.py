@@ -334,6 +334,7 @@ def measure_link(plan: Plan, rate: str, digits: bool = False) -> list[Row]:
     """Every system's rows on one link rate, for every model of the plan: step times, or
     with ``digits`` accuracy against training seconds on digits."""
     rows: list[Row] = []
+    failed: list[Row] = []
     hosts = plan.ranks + (1 if plan.needs_server else 0)
     budget = Digits() if digits else None
     models = plan.models[:1] if digits else plan.models  # digits trains its own MLP
@@ -360,8 +361,15 @@ def measure_link(plan: Plan, rate: str, digits: bool = False) -> list[Row]:
                     plan.progress(f"[{rate}] {model} {system.label}: starting "
                                   f"{len(system.configs)} configuration(s) on {len(workers)} "
                                   f"hosts (launch {index + 1} of {len(launches)})")
-                    _launch_with_progress(system, plan, model, workers, directory,
-                                          29400 + index, rate, budget)
+                    try:
+                        _launch_with_progress(system, plan, model, workers, directory,
+                                              29400 + index, rate, budget)
+                    except LaunchError as failure:
+                        # Reported with its cause; the other launches go on.
+                        failed.append(failed_row(system, model, rate, failure))
+                        plan.progress(f"[{rate}] {model} {system.label}: the launch failed: "
+                                      f"{str(failure).splitlines()[0]}")
+                        continue
                     got = json.loads((directory / "rows.json").read_text())
                 for row in got:
                     row.update(system=system.label, link=rate, link_bits=rate_bits(rate),
@@ -385,7 +393,14 @@ def measure_link(plan: Plan, rate: str, digits: bool = False) -> list[Row]:
     else:
         rows = pool_runs(rows)
         add_speedups(rows)
-    return rows
+    return rows + failed
+
+
+def failed_row(system: System, model: str, rate: str, failure: LaunchError) -> Row:
+    """What a launch that failed leaves in the results: where, which configurations, and
+    its cause (the ranks' last output and Python stacks)."""
+    return {"task": "failed", "system": system.label, "model": model, "link": rate,
+            "schemes": [c["scheme"] for c in system.configs], "cause": str(failure)}
 
 
 MEAN_FIELDS = ("tx_bytes_per_step", "rx_bytes_per_step", "tx_packets_per_step",
@@ -593,7 +608,11 @@ def run(plan: Plan) -> list[Row]:
 
 
 def step_rows(rows: Sequence[Row]) -> list[Row]:
-    return [r for r in rows if r.get("task") != "digits"]
+    return [r for r in rows if r.get("task") not in ("digits", "failed")]
+
+
+def failed_rows(rows: Sequence[Row]) -> list[Row]:
+    return [r for r in rows if r.get("task") == "failed"]
 
 
 def accuracy_rows(rows: Sequence[Row]) -> list[Row]:
@@ -848,9 +867,10 @@ def plot_accuracy(rows: Sequence[Row], path: Path) -> None:
 
 def summary(rows: Sequence[Row]) -> str:
     steps, accuracy = step_rows(rows), accuracy_rows(rows)
+    measured = steps + accuracy
     out = [markdown(steps), "", "Settings:"] if steps else ["Settings:"]
-    for system, scheme in dict.fromkeys((r["system"], r["scheme"]) for r in rows):
-        r = next(r for r in rows if r["system"] == system and r["scheme"] == scheme)
+    for system, scheme in dict.fromkeys((r["system"], r["scheme"]) for r in measured):
+        r = next(r for r in measured if r["system"] == system and r["scheme"] == scheme)
         extra = f", controller {r['controller']}" if r.get("controller") else ""
         out.append(f"- {system} {scheme}: {json.dumps(r['settings'])}{extra}")
     if accuracy:
@@ -861,6 +881,9 @@ def summary(rows: Sequence[Row]) -> str:
     lines = targets(steps) + accuracy_targets(accuracy)
     if lines:
         out += ["", "Targets:", *lines]
+    for r in failed_rows(rows):
+        out += ["", f"FAILED LAUNCH  {r['model']} {r['link']}: {r['system']} "
+                f"{', '.join(r['schemes'])}:", r["cause"][-3000:]]
     if steps:
         spreads = [f"{r['model']} {label(r)} @ {r['link']}: {r['spread']:.2f}" for r in steps]
         out += ["", "Spread (p90 / median): " + "; ".join(spreads)]
