@@ -55,6 +55,20 @@ def aten_kernels() -> list[str]:
     return ["default", *(name for name, needs in ATEN_KERNELS.items() if needs <= flags)]
 
 
+LIBRARY_KERNELS = {"avx2": {"MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+                   "avx512": {"MKL_ENABLE_INSTRUCTIONS": "AVX512",
+                              "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}}
+"""What MKL (torch's matrix products here) and oneDNN read to stay within a vector set: an
+AVX2-only CPU runs all three libraries' AVX2 code, which ``ATEN_CPU_CAPABILITY`` alone does
+not give."""
+
+
+def kernel_env(kernels: str) -> dict[str, str]:
+    """The environment that makes torch's libraries run ``kernels`` (one of
+    :func:`aten_kernels`) as a CPU with only that vector set would."""
+    return {"ATEN_CPU_CAPABILITY": kernels, **LIBRARY_KERNELS.get(kernels, {})}
+
+
 def simd_flags() -> list[str]:
     """The CPU's vector-instruction flags, sorted."""
     pattern = re.compile(r"(sse4_2|avx\w*|fma|f16c|amx\w*|asimd\w*|sve\w*|neon)")

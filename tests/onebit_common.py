@@ -13,7 +13,7 @@ import torch
 
 from hvd_compress.comm.threads import ThreadGroup
 from tests import convergence_harness as harness
-from tests.harness import run_ranks
+from tests.harness import kernel_env, run_ranks
 from tests.threaded import on_threads
 
 Ranks = tuple[list[torch.nn.Module], list[Any]]
@@ -101,13 +101,13 @@ def check_warmup_bit_for_bit(worker: str, reference: str, kernels: str, freeze: 
     through the warm-up and different once compressed, the 1-bit ones are the same on every
     rank at every step, and the compressed stage sends more than 16x fewer bytes.
 
-    The ranks run ATen's ``kernels`` (``ATEN_CPU_CAPABILITY``, one of
-    :func:`tests.harness.aten_kernels`): where the two sides compute with different
-    operations (a multiply then an add against a fused multiply-add), which step first
-    shows it depends on the vector width, and a warm-up of a few steps can hide it on one
-    CPU and not on another."""
+    The ranks run ``kernels`` (one of :func:`tests.harness.aten_kernels`, in ATen, MKL
+    and oneDNN: :func:`tests.harness.kernel_env`): where the two sides compute with
+    different operations (a multiply then an add against a fused multiply-add), which step
+    first shows it depends on the vector width, and a warm-up of a few steps can hide it on
+    one CPU and not on another."""
     ranks = run_ranks(worker, np=2, launcher="gloo", freeze_step=freeze, steps=steps,
-                      env={"ATEN_CPU_CAPABILITY": kernels})
+                      env=kernel_env(kernels))
     for rank in ranks:
         for step in range(freeze):
             assert torch.equal(rank["onebit"][step], rank[reference][step]), step

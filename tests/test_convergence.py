@@ -75,7 +75,13 @@ def test_dgc_converges_with_its_momentum_and_diverges_with_both() -> None:
 def test_terngrad_clips_by_default_and_converges_where_unclipped_diverges() -> None:
     """SGD lr 0.2 with momentum 0.9 trains uncompressed; unclipped TernGrad's variance
     (``|v| (max|v| - |v|)`` per element) blows it up, the paper's 2.5-sigma clipping
-    (the default) trains it."""
+    (the default) trains it.
+
+    How far the unclipped run blows up depends on the CPU's kernels (its trajectory is
+    chaotic): its largest loss went from 29 to beyond 100, its accuracy from 8% to 58%,
+    under ATen's, MKL's and oneDNN's AVX2, AVX-512 and SSE code. What holds on all of them:
+    a loss above ten times the initial one, and 20 points of accuracy below the clipped
+    run."""
     assert Compression.terngrad().clip == 2.5
     steps, optimizer = 600, harness.sgd(0.2, 0.9)
     reference = harness.train(Compression.none, optimizer, steps=steps)[0]
@@ -86,8 +92,9 @@ def test_terngrad_clips_by_default_and_converges_where_unclipped_diverges() -> N
     assert clipped[0].accuracy > reference.accuracy - 1.0, (clipped[0].accuracy,
                                                              reference.accuracy)
     assert max(clipped[0].losses) < 2.5  # never above the initial loss (ln 10 = 2.30)
-    assert max(unclipped.losses) > 100 and unclipped.accuracy < 50, (max(unclipped.losses),
-                                                                    unclipped.accuracy)
+    blown_up = max(unclipped.losses) > 10 * unclipped.losses[0]
+    assert blown_up and unclipped.accuracy < clipped[0].accuracy - 20, (
+        max(unclipped.losses), unclipped.losses[0], unclipped.accuracy, clipped[0].accuracy)
 
 
 # Every scheme at its defaults, with the optimizers users bring ---------------------------

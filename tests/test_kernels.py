@@ -65,18 +65,34 @@ def test_both_paths_decode_every_payload_alike(scheme: PackedScheme, n: int) -> 
         assert torch.equal(scheme.decode(payload, n), torch_decode(scheme, payload, n))
 
 
+def assert_scales_agree(fast: torch.Tensor, reference: torch.Tensor) -> None:
+    """The float32 scales of two payloads equal, or one unit in the last place apart.
+
+    Both codecs reduce a bucket in float64 and round once to float32, but in different
+    orders: the native kernel in 8 lanes, ATen in the order of its vector width (which
+    changes with the CPU). The float64 sums differ in their last bits for some buckets (9
+    of 49 at 100,003 elements, varying with the kernels), and their float32 roundings
+    differ only where the two straddle a rounding boundary (about 2^-29 per scale; no
+    difference seen under ATen's default, AVX2 and AVX-512 kernels). That is the tightest
+    bound that holds on every CPU."""
+    a, b = fast.view(torch.int32), reference.view(torch.int32)  # one sign: ulps apart
+    assert bool(((a - b).abs() <= 1).all()), (a - b).abs().max()
+
+
 @pytest.mark.parametrize("scheme", CODECS, ids=repr)
 @pytest.mark.parametrize("n", LENGTHS)
 def test_scales_match_and_codes_are_valid(scheme: PackedScheme, n: int) -> None:
-    """Bytes equal for onebit (deterministic); for the stochastic schemes the scales are
-    equal and every decoded value is one of the two grid points around its input."""
+    """Codes equal for onebit (deterministic), and its scales (:func:`assert_scales_agree`);
+    for the stochastic schemes the scales agree and every decoded value is one of the two
+    grid points around its input."""
     x = gradient(n)
     fast, reference = scheme.encode(x, generator()), torch_encode(scheme, x)
-    if scheme.name == "onebit":
-        assert torch.equal(fast, reference)
-        return
     cut = code_bytes(scheme, n)
-    assert torch.equal(fast[cut:], reference[cut:])
+    assert_scales_agree(fast[cut:].clone().view(torch.float32),
+                        reference[cut:].clone().view(torch.float32))
+    if scheme.name == "onebit":
+        assert torch.equal(fast[:cut], reference[:cut])
+        return
     scales = fast[cut:].clone().view(torch.float32).repeat_interleave(scheme.bucket_size)[:n]
     step = scales / scheme.levels if scheme.name == "qsgd" else scales
     decoded = scheme.decode(fast, n)

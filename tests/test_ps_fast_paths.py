@@ -12,7 +12,9 @@ import pytest
 
 from hvd_compress import native
 from hvd_compress.native import sparse as native_sparse
+from hvd_compress.native.loader import march
 from hvd_compress.sparse_wire import IndexCoding, Kind, crc32, decode_frame, encode_frame
+from tests.harness import cpu_info
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels not built")
 
@@ -26,7 +28,11 @@ def test_crc32_equals_zlib_at_every_length_offset_and_start_value():
             view = memoryview(data)[offset:offset + length]
             for start in (0, 1, 0xFFFFFFFF, 0x1234ABCD):
                 assert crc32(view, start) == zlib.crc32(view, start), (length, offset, start)
-    assert native_sparse.crc32(data) == zlib.crc32(data)  # the kernel itself answered
+    # The kernel itself answered, unless it was built for a target without PCLMULQDQ
+    # (HVD_COMPRESS_MARCH=x86-64 or x86-64-v3), where it declines and zlib answers.
+    assert native_sparse.crc32(data) in (zlib.crc32(data), None)
+    if "pclmulqdq" in cpu_info()[1] and march() == "native":
+        assert native_sparse.crc32(data) == zlib.crc32(data)
     assert native_sparse.crc32(data[:100]) is None  # small buffers are left to zlib
 
 
