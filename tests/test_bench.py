@@ -410,6 +410,7 @@ def test_cluster_bench_repeats_take_turns_and_pool_their_steps(
     assert main(["cluster", "--quick", "--repeats", "2", "--pin-cores", "--schemes", powersgd,
                  f"{powersgd}@gloo", "--ddp", powersgd, "--horovod", "--epochs", "0",
                  "--controllers", "gloo", "mpi", "--no-floor", "--steps", "4",
+                 "--env", "OMPI_MCA_mpi_yield_when_idle=0",
                  "--json", str(tmp_path / "rows.json"), "--timeout", "300"]) == 0
     rows = json.loads((tmp_path / "rows.json").read_text())
     ours = [(system, scheme) for system in ("hvd-compress", "hvd-compress-mpi")
@@ -419,6 +420,9 @@ def test_cluster_bench_repeats_take_turns_and_pool_their_steps(
     assert [r["settings"]["collectives"] for r in rows[1:]] == ["horovod", "gloo"] * 2
     assert all(r["collective_bytes"] == rows[1]["collective_bytes"] for r in rows[1:])
     assert all(r["floor_s"] is None for r in rows)
+    # --env reaches Horovod's systems (the row records it), not DDP's.
+    assert [r["settings"].get("OMPI_MCA_mpi_yield_when_idle") for r in rows] == [
+        None, "0", "0", "0", "0"]
     for row in rows:
         assert row["runs"] == 2 and len(row["run_step_s"]) == 2
         assert len(row["step_times_s"]) == 8 and row["replicas_agree"]

@@ -162,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
                       "controller (as horovodrun --gloo, rows 'hvd-compress'), or mpirun "
                       "with OpenMPI's ring all-reduce ('hvd-compress-mpi'); the ranks start "
                       "Horovod with hvd_compress.torch.init() (default gloo)")
+    clus.add_argument("--env", type=_assignment, action="append", metavar="KEY=VALUE",
+                      help="more environment for every Horovod-based system's ranks, stock "
+                      "and ours (repeatable), e.g. OMPI_MCA_mpi_yield_when_idle=0 to measure "
+                      "what hvd_compress.torch.init's default buys under mpirun")
     clus.add_argument("--no-floor", action="store_true",
                       help="skip the compute floor (the same model and ranks with no "
                       "communication; default: measured for every model and link)")
@@ -225,6 +229,13 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--timeout", type=_positive_int, default=1800,
                       help="seconds before the launch is aborted (default 1800)")
     return parser
+
+
+def _assignment(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
 
 
 def _model(name: str) -> str:
@@ -291,6 +302,7 @@ def _cluster(args: argparse.Namespace) -> int:
              "cycle_time_ms": args.cycle_time_ms, "repeats": args.repeats,
              "pin_cores": args.pin_cores or None, "controllers": args.controllers,
              "floor": False if args.no_floor else None,
+             "horovod_env": dict(args.env) if args.env else None,
              "separate": False if args.shared_processes else None}
     plan = dataclasses.replace(
         plan, latency_ms=args.latency_ms, timeout=args.timeout,

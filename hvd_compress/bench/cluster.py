@@ -130,6 +130,10 @@ class Plan:
     horovod_controllers: Sequence[str] = ("gloo", "mpi")
     controllers: Sequence[str] = ("gloo",)
     floor: bool = True
+    horovod_env: dict[str, str] = field(default_factory=dict)
+    """More environment for every Horovod-based system (``--env KEY=VALUE``), to measure
+    what a setting costs: ``OMPI_MCA_mpi_yield_when_idle=0`` undoes what
+    :func:`hvd_compress.torch.init` sets under ``mpirun``."""
     cycle_time_ms: float | None = 10.0
     separate: bool = True
     bucket_mb: float | None = None
@@ -316,10 +320,9 @@ def horovod_settings(plan: Plan) -> dict[str, str]:
     """Horovod's environment for every Horovod-based system of the plan (stock and ours
     alike): ``HOROVOD_CYCLE_TIME`` when the plan sets it (by default 10 ms, what
     :func:`hvd_compress.torch.init` sets: faster than Horovod's 1 ms for stock Horovod and
-    for hvd-compress here, README "Horovod's own knobs")."""
-    if not plan.cycle_time_ms:
-        return {}
-    return {"HOROVOD_CYCLE_TIME": f"{plan.cycle_time_ms:g}"}
+    for hvd-compress here, README "Horovod's own knobs"), and the plan's ``horovod_env``."""
+    cycle = {"HOROVOD_CYCLE_TIME": f"{plan.cycle_time_ms:g}"} if plan.cycle_time_ms else {}
+    return {**cycle, **plan.horovod_env}
 
 
 def _server(address: str, workers: int, host: int) -> Any:
