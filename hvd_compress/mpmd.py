@@ -87,7 +87,13 @@ def wants_servers(ps: str | None) -> bool:
     return isinstance(spec, str) and spec.strip().lower() == "mpi"
 
 
-def init(horovod: ModuleType, binding: str, ps: str | None = None, **kwargs: Any) -> None:
+CONTROLLER_ENV = "HVD_COMPRESS_CONTROLLER"
+"""Default of :func:`init`'s ``controller``."""
+CONTROLLERS = ("horovod", "gloo")
+
+
+def init(horovod: ModuleType, binding: str, ps: str | None = None,
+         controller: str | None = None, **kwargs: Any) -> None:
     """``horovod.init(**kwargs)`` with ``HOROVOD_CYCLE_TIME`` at
     :data:`DEFAULT_CYCLE_TIME_MS` and Open MPI's :data:`MPI_DEFAULTS` unless the
     environment sets them (they reach MPI only if it starts here), or, for ``ps="mpi"``
@@ -95,11 +101,26 @@ def init(horovod: ModuleType, binding: str, ps: str | None = None, **kwargs: Any
     off ``MPI.COMM_WORLD`` and start Horovod on the workers' communicator (``comm=``,
     which must then not be given).
 
+    ``controller="gloo"`` (default ``$HVD_COMPRESS_CONTROLLER``, else ``"horovod"``:
+    Horovod's own choice) in ranks that ``mpirun`` started gives Horovod its Gloo
+    controller, as ``horovodrun --gloo`` does (:mod:`hvd_compress.mpi_gloo`); elsewhere it
+    changes nothing.
+
     ``horovod`` is ``horovod.torch`` or ``horovod.tensorflow``; ``binding`` names the
     caller's module in messages. ``ps="mpi"`` outside an MPMD ``mpirun`` raises
     ``ValueError`` at once with the launch it needs (Open MPI: one app context; no MPI
     launcher at all), instead of failing inside MPI.
     """
+    controller = controller or os.environ.get(CONTROLLER_ENV, "").strip().lower() or "horovod"
+    if controller not in CONTROLLERS:
+        raise ValueError(f"{binding}.init: controller must be one of {CONTROLLERS}, got "
+                         f"{controller!r}")
+    gloo_under_mpirun = controller == "gloo" and _under_mpi_launcher() \
+        and os.environ.get("HOROVOD_CONTROLLER") != "gloo" and not horovod.is_initialized()
+    if gloo_under_mpirun and (wants_servers(ps) or "comm" in kwargs):
+        raise ValueError(f"{binding}.init(controller='gloo') starts Horovod on every rank of "
+                         "MPI.COMM_WORLD; it cannot be combined with ps='mpi' or comm= (use "
+                         "gRPC servers, or controller='horovod')")
     for key, value in MPI_DEFAULTS.items():
         os.environ.setdefault(key, value)
     if wants_servers(ps):
@@ -115,6 +136,10 @@ def init(horovod: ModuleType, binding: str, ps: str | None = None, **kwargs: Any
                              "or use gRPC servers (ps='grpc://host:port')")
         kwargs["comm"] = init_mpi_workers()
     os.environ.setdefault("HOROVOD_CYCLE_TIME", DEFAULT_CYCLE_TIME_MS)
+    if gloo_under_mpirun:
+        from hvd_compress.mpi_gloo import start_gloo_controller
+
+        start_gloo_controller()
     horovod.init(**kwargs)
 
 

@@ -3,11 +3,13 @@ seconds instead of blocking for ever, and the documented launches work."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import time
 
 import pytest
+import torch
 
 from tests.harness import ROOT, launch_command, rank_env, run_command, run_ranks
 
@@ -102,3 +104,38 @@ def test_init_keeps_the_users_open_mpi_settings() -> None:
     ranks = run_ranks("tests.workers.mpi_settings:open_mpi_settings", launcher="mpi",
                       env={"OMPI_MCA_mpi_yield_when_idle": "0", "HOROVOD_CYCLE_TIME": "3"})
     assert ranks == [{"yield_when_idle": 0, "cycle_time": "3"}] * 2, ranks
+
+
+CONTROLLER_SPECS = ["none", "powersgd:rank=2,start_iter=1", "onebit", "topk:ratio=0.1"]
+
+
+def test_init_gives_mpirun_ranks_horovods_gloo_controller_on_request() -> None:
+    """``controller="gloo"`` (here ``$HVD_COMPRESS_CONTROLLER``) under ``mpirun``: Horovod
+    runs its Gloo controller with the MPI ranks, and training gives the same parameters,
+    bit for bit, as under the MPI controller (2 ranks: every sum is one addition)."""
+    gloo = {"HVD_COMPRESS_CONTROLLER": "gloo"}
+    ranks = run_ranks("tests.workers.mpi_settings:horovod_controller", launcher="mpi",
+                      env=gloo)
+    for mpi_rank, rank in enumerate(ranks):
+        assert rank == {"gloo": True, "mpi": False, "rank": mpi_rank, "mpi_rank": mpi_rank,
+                        "size": 2, "local": (mpi_rank, 2), "cross": (0, 1)}, rank
+    plain = run_ranks("tests.workers.mpi_settings:horovod_controller", launcher="mpi")
+    assert [(r["gloo"], r["mpi"]) for r in plain] == [(False, True)] * 2
+    on_gloo = run_ranks("tests.workers.dense:training", launcher="mpi", env=gloo,
+                        specs=CONTROLLER_SPECS)
+    on_mpi = run_ranks("tests.workers.dense:training", launcher="mpi", specs=CONTROLLER_SPECS)
+    for spec in CONTROLLER_SPECS:
+        assert torch.equal(on_gloo[0][spec]["params"], on_gloo[1][spec]["params"]), spec
+        assert torch.equal(on_gloo[0][spec]["params"], on_mpi[0][spec]["params"]), spec
+
+
+def test_init_refuses_an_unknown_controller_before_changing_anything(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import horovod.torch as hvd
+
+    from hvd_compress.torch import init
+
+    monkeypatch.delenv("OMPI_MCA_mpi_yield_when_idle", raising=False)
+    with pytest.raises(ValueError, match=r"controller must be one of \('horovod', 'gloo'\)"):
+        init(controller="nccl")
+    assert not hvd.is_initialized() and "OMPI_MCA_mpi_yield_when_idle" not in os.environ

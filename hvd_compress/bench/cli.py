@@ -157,11 +157,13 @@ def build_parser() -> argparse.ArgumentParser:
              f"{' '.join(cluster.DDP_SCHEMES)})")
     clus.add_argument("--horovod", nargs="*", choices=["none", "fp16"],
                       help="stock Horovod configurations (default: none fp16)")
-    clus.add_argument("--controllers", nargs="+", choices=["gloo", "mpi"],
+    clus.add_argument("--controllers", nargs="+", choices=["gloo", "mpi", "mpi-gloo"],
                       help="how hvd-compress's Horovod runs, one row each: its Gloo "
-                      "controller (as horovodrun --gloo, rows 'hvd-compress'), or mpirun "
-                      "with OpenMPI's ring all-reduce ('hvd-compress-mpi'); the ranks start "
-                      "Horovod with hvd_compress.torch.init() (default gloo)")
+                      "controller (as horovodrun --gloo, rows 'hvd-compress'), mpirun "
+                      "with OpenMPI's ring all-reduce ('hvd-compress-mpi'), or mpirun with "
+                      "Horovod's Gloo controller, init(controller='gloo') "
+                      "('hvd-compress-mpi-gloo'); the ranks start Horovod with "
+                      "hvd_compress.torch.init() (default gloo)")
     clus.add_argument("--env", type=_assignment, action="append", metavar="KEY=VALUE",
                       help="more environment for every Horovod-based system's ranks, stock "
                       "and ours (repeatable), e.g. OMPI_MCA_mpi_yield_when_idle=0 to measure "

@@ -99,7 +99,8 @@ HOROVOD_SYSTEMS = ("horovod", "horovod-mpi")
 """Stock Horovod's rows: on its Gloo controller, and under ``mpirun``."""
 OURS = "hvd-compress"
 """hvd-compress's rows: ``hvd-compress`` on Horovod's Gloo controller, ``hvd-compress-mpi``
-under ``mpirun``."""
+under ``mpirun``, ``hvd-compress-mpi-gloo`` under ``mpirun`` with Horovod's Gloo controller
+(``hvd_compress.torch.init(controller="gloo")``)."""
 FLOOR = "floor"
 """The compute floor's row: the same model and ranks, no communication at all."""
 
@@ -305,8 +306,10 @@ def _launch(system: System, plan: Plan, model: str, addresses: list[str], direct
     else:
         # The hosts' interface, for collectives="gloo" (its group finds no other address
         # under mpirun); Horovod's MPI controller does not read it.
-        exported = [arg for key, value in {**horovod_env, "GLOO_SOCKET_IFNAME": "eth0"}.items()
-                    for arg in ("-x", f"{key}={value}")]
+        env = {**horovod_env, "GLOO_SOCKET_IFNAME": "eth0"}
+        if system.controller == "mpi-gloo":  # Horovod's Gloo controller, set up by init()
+            env["HVD_COMPRESS_CONTROLLER"] = "gloo"
+        exported = [arg for key, value in env.items() for arg in ("-x", f"{key}={value}")]
         code = run_mpirun([*mpirun_host_args(addresses, directory), *RING_ALLREDUCE,
                            *exported, *argv],
                           int(timeout), directory / "mpirun.log")

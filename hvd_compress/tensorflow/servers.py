@@ -55,14 +55,18 @@ def with_servers(dense: Communicator, ps: str | None, process_set: Any,
         dense, connect(ps, dense.rank, connect_timeout=connect_timeout), session)
 
 
-def init(ps: str | None = None, **kwargs: Any) -> None:
+def init(ps: str | None = None, controller: str | None = None, **kwargs: Any) -> None:
     """Start Horovod: ``horovod.tensorflow.init(**kwargs)``, or, for ``ps="mpi"`` (default
     ``$HVD_COMPRESS_PS``), split the parameter-server ranks of an MPMD ``mpirun`` off
     ``MPI.COMM_WORLD`` and start Horovod on the workers' communicator::
 
         mpirun -np 2 python train.py : -np 1 python -m ps_server --transport mpi --workers 2
 
+    ``controller="gloo"`` (default ``$HVD_COMPRESS_CONTROLLER``) in ranks that ``mpirun``
+    started runs Horovod on its Gloo controller, as ``horovodrun --gloo`` does, instead of
+    its MPI controller (:mod:`hvd_compress.mpi_gloo`).
+
     See :func:`hvd_compress.mpmd.init` (shared with ``hvd_compress.torch.init``). In a
     process that also runs Horovod's PyTorch library, both may call their ``init`` (the MPI
     split happens once; both get the same workers' communicator)."""
-    mpmd.init(hvd, "hvd_compress.tensorflow", ps, **kwargs)
+    mpmd.init(hvd, "hvd_compress.tensorflow", ps, controller, **kwargs)

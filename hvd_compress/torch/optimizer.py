@@ -348,15 +348,19 @@ def DistributedOptimizer(
                bucket_mb, connect_timeout, report_every, collectives)
 
 
-def init(ps: str | None = None, **kwargs: Any) -> None:
+def init(ps: str | None = None, controller: str | None = None, **kwargs: Any) -> None:
     """Start Horovod: ``hvd.init(**kwargs)``, or, for ``ps="mpi"`` (default
     ``$HVD_COMPRESS_PS``), split the parameter-server ranks of an MPMD ``mpirun`` off
     ``MPI.COMM_WORLD`` and start Horovod on the workers' communicator::
 
         mpirun -np 2 python train.py : -np 1 python -m ps_server --transport mpi --workers 2
 
+    ``controller="gloo"`` (default ``$HVD_COMPRESS_CONTROLLER``) in ranks that ``mpirun``
+    started runs Horovod on its Gloo controller, as ``horovodrun --gloo`` does, instead of
+    its MPI controller (:mod:`hvd_compress.mpi_gloo`).
+
     See :func:`hvd_compress.mpmd.init` (shared with ``hvd_compress.tensorflow.init``)."""
-    mpmd.init(hvd, "hvd_compress.torch", ps, **kwargs)
+    mpmd.init(hvd, "hvd_compress.torch", ps, controller, **kwargs)
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:

@@ -1,5 +1,6 @@
-"""What Open MPI itself holds for the settings :func:`hvd_compress.torch.init` defaults,
-read back through MPI's tool interface (``MPI_T``) after Horovod started."""
+"""What :func:`hvd_compress.torch.init` set up under ``mpirun``: Open MPI's own value of the
+settings it defaults, read back through MPI's tool interface (``MPI_T``) after Horovod
+started, and which controller Horovod runs."""
 
 from __future__ import annotations
 
@@ -41,3 +42,14 @@ def open_mpi_settings() -> dict[str, Any]:
                 "cycle_time": os.environ.get("HOROVOD_CYCLE_TIME")}
     finally:
         lib.MPI_T_finalize()
+
+
+def horovod_controller() -> dict[str, Any]:
+    """Which controller Horovod runs, its ranks and sizes, and the MPI rank beside them."""
+    import horovod.torch as hvd
+    from mpi4py import MPI
+
+    return {"gloo": hvd.gloo_enabled(), "mpi": hvd.mpi_enabled(), "rank": hvd.rank(),
+            "mpi_rank": MPI.COMM_WORLD.Get_rank(), "size": hvd.size(),
+            "local": (hvd.local_rank(), hvd.local_size()),
+            "cross": (hvd.cross_rank(), hvd.cross_size())}
