@@ -162,7 +162,10 @@ def host_command(i: int, argv: Sequence[str], directory: Path, hostname: str,
 
 
 def _agent_script(directory: Path, addresses: Sequence[str]) -> Path:
-    """The ``plm_rsh_agent`` mpirun calls as ``agent HOST COMMAND...``."""
+    """The ``plm_rsh_agent`` mpirun calls as ``agent HOST COMMAND...``: the command runs in
+    the host's namespace with the host's ``TMPDIR`` and, as on a real host, a host name of
+    its own (its address, in a UTS namespace), which Horovod's Gloo controller groups ranks
+    by."""
     cases = [f'    {address}) ns={host_namespace(i)}; tmp={host_tmpdir(directory, i)} ;;'
              for i, address in enumerate(addresses)]
     script = directory / "netns-agent.sh"
@@ -172,7 +175,8 @@ case "$host" in
 {chr(10).join(cases)}
     *) echo "unknown emulated host $host" >&2; exit 1 ;;
 esac
-exec ip netns exec "$ns" env TMPDIR="$tmp" sh -c "$*"
+exec ip netns exec "$ns" unshare --uts sh -c \
+    'hostname "$1" && export TMPDIR="$2" && shift 2 && exec sh -c "$*"' agent "$host" "$tmp" "$@"
 """)
     script.chmod(0o755)
     return script
