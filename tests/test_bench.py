@@ -407,24 +407,26 @@ def test_cluster_bench_repeats_take_turns_and_pool_their_steps(
     the timed steps of both its launches, and the spread target reports the interval of
     the difference; ``--pin-cores`` runs each rank on one core; ``@gloo`` runs the dense
     rounds on a Gloo group set up on the emulated hosts' interfaces; ``--controllers gloo
-    mpi`` runs ours on Horovod's Gloo controller and under ``mpirun``."""
+    mpi mpi-gloo`` runs ours on Horovod's Gloo controller, under ``mpirun``, and under
+    ``mpirun`` with Horovod's Gloo controller."""
     powersgd = "powersgd:rank=4,start_iter=2"
     assert main(["cluster", "--quick", "--repeats", "2", "--pin-cores", "--schemes", powersgd,
                  f"{powersgd}@gloo", "--ddp", powersgd, "--horovod", "--epochs", "0",
-                 "--controllers", "gloo", "mpi", "--no-floor", "--steps", "4",
+                 "--controllers", "gloo", "mpi", "mpi-gloo", "--no-floor", "--steps", "4",
                  "--env", "OMPI_MCA_mpi_yield_when_idle=0",
                  "--json", str(tmp_path / "rows.json"), "--timeout", "300"]) == 0
     rows = json.loads((tmp_path / "rows.json").read_text())
-    ours = [(system, scheme) for system in ("hvd-compress", "hvd-compress-mpi")
-            for scheme in (powersgd, f"{powersgd}@gloo")]
+    systems = ("hvd-compress", "hvd-compress-mpi", "hvd-compress-mpi-gloo")
+    ours = [(system, scheme) for system in systems for scheme in (powersgd, f"{powersgd}@gloo")]
     assert [(r["system"], r["scheme"]) for r in rows] == [("ddp", powersgd), *ours]
-    assert [r["controller"] for r in rows] == [None, "gloo", "gloo", "mpi", "mpi"]
-    assert [r["settings"]["collectives"] for r in rows[1:]] == ["horovod", "gloo"] * 2
+    assert [r["controller"] for r in rows] == [None, "gloo", "gloo", "mpi", "mpi", "mpi-gloo",
+                                              "mpi-gloo"]
+    assert [r["settings"]["collectives"] for r in rows[1:]] == ["horovod", "gloo"] * 3
     assert all(r["collective_bytes"] == rows[1]["collective_bytes"] for r in rows[1:])
     assert all(r["floor_s"] is None for r in rows)
     # --env reaches Horovod's systems (the row records it), not DDP's.
     assert [r["settings"].get("OMPI_MCA_mpi_yield_when_idle") for r in rows] == [
-        None, "0", "0", "0", "0"]
+        None, *["0"] * 6]
     for row in rows:
         assert row["runs"] == 2 and len(row["run_step_s"]) == 2
         assert len(row["step_times_s"]) == 8 and row["replicas_agree"]
@@ -442,13 +444,13 @@ def test_cluster_bench_repeats_take_turns_and_pool_their_steps(
     printed = capsys.readouterr()
     starts = [line.split(": ")[0].split("] ")[1] for line in printed.err.splitlines()
               if "configuration(s) on" in line]
-    assert starts == ["tiny ddp", "tiny hvd-compress", "tiny hvd-compress",
-                      "tiny hvd-compress-mpi", "tiny hvd-compress-mpi"] * 2
+    assert starts == ["tiny ddp", *(f"tiny {system}" for system in systems
+                                    for _ in range(2))] * 2
     spread = [line for line in printed.out.splitlines() if "spread (p90/median)" in line]
-    assert len(spread) == 4 and f"{powersgd}@gloo spread" in spread[1]
+    assert len(spread) == 6 and f"{powersgd}@gloo spread" in spread[1]
     hook = [line for line in printed.out.splitlines() if "x DDP powersgd" in line]
-    assert [line.split(": ")[1].split(" powersgd")[0] for line in hook] == [
-        "hvd-compress", "hvd-compress-mpi"]  # the faster route of each launcher
+    assert [line.split(": ")[1].split(" powersgd")[0] for line in hook] == list(
+        systems)  # the faster route of each launcher
     assert all("95% interval" in line and "8 and 8 steps" in line for line in spread)
     assert "Steps slower than p90, mean excess of each phase over its median:" in printed.out
     assert leftover_network_objects() == []
