@@ -25,7 +25,6 @@ all-reduce without using the CPU, so CPU seconds, not wall time, compare the two
 from __future__ import annotations
 
 import os
-import resource
 import statistics
 import tempfile
 import time
@@ -36,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hvd_compress.bench.cluster_rank import MODELS, Workload, _loss
+from hvd_compress.bench.cluster_rank import MODELS, Workload, _cpu_seconds, _loss
 from hvd_compress.bench.report import Column, Row
 
 SYSTEMS = ("floor", "ddp", "hook", "ours")
@@ -45,11 +44,6 @@ OWN_PHASES = ("feedback", "scheme", "fuse", "commit", "report")
 DEFAULT_MODELS = ("mlp", "mlp8m", "mlp-deep", "mlp-narrow", "cnn", "transformer")
 CPU_RATIO = 1.2
 """Target: our own CPU seconds per step at most this times the hook's."""
-
-
-def _cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 def _unchanged(state, bucket):
@@ -97,7 +91,7 @@ def time_system(system: str, workload: Workload, steps: int, warmup: int, rank: 
     cpu0 = 0.0
     for step in range(warmup + steps):
         if step == warmup:
-            cpu0 = _cpu()
+            cpu0 = _cpu_seconds()
         began = time.perf_counter()
         optimizer.zero_grad()
         _loss(forward(batch[0]), batch[1]).backward()
@@ -107,7 +101,7 @@ def time_system(system: str, workload: Workload, steps: int, warmup: int, rank: 
         if stats is not None and step >= warmup:
             for part, spent in stats.seconds.items():
                 phases[part] = phases.get(part, 0.0) + spent / steps
-    return {"times": times[warmup:], "cpu": (_cpu() - cpu0) / steps, "phases": phases}
+    return {"times": times[warmup:], "cpu": (_cpu_seconds() - cpu0) / steps, "phases": phases}
 
 
 @contextmanager
