@@ -5,7 +5,8 @@ Error feedback (Seide et al. 2014; Stich et al. 2018; Karimireddy et al. 2019) s
 every gradient component is eventually applied: over ``T`` steps
 ``sum_t sent_t + e_T = sum_t g_t`` exactly.
 
-Diagnostics: every :meth:`ErrorFeedback.commit_sent` also measures, per tensor, the
+Diagnostics: :meth:`ErrorFeedback.commit_sent` also measures (when :meth:`ErrorFeedback.due`
+says so: each of a tensor's first ``window`` commits, then every ``report_every``-th), the
 compression error ``||sent - (g + e)|| / ||g + e||`` (the relative size of what this step
 did not send; it equals ``||e_new|| / ||g + e||`` since ``e_new = (g + e) - sent``) and the
 new residual's norm ``||e_new||``; :meth:`ErrorFeedback.report` returns the latest of both
@@ -319,6 +320,7 @@ class ErrorFeedback:
         self._spares: dict[str, torch.Tensor] = {}
         self._stats: dict[str, FeedbackStats] = {}
         self._early: dict[str, int] = {}  # non-zero commits counted into the reference
+        self._commits: dict[str, int] = {}  # every commit, measured or not
         self._warned: set[str] = set()
 
     def compensate(self, name: str, grad: torch.Tensor) -> torch.Tensor:
@@ -345,30 +347,45 @@ class ErrorFeedback:
             beta = getattr(getattr(scheme, "scheme", None), "loco_beta", None)
         return cls(beta=beta or 0.0)
 
+    def due(self, name: str, every: int) -> bool:
+        """Whether the next :meth:`commit_sent` of ``name`` should measure: each of its
+        first ``window`` non-zero commits (they set the growth warning's reference), then
+        every ``every``-th commit (``0``: none after the window). A measurement costs two
+        reads of the tensor and two device-to-host transfers."""
+        if self._early.get(name, 0) < self.window:
+            return True
+        return every > 0 and self._commits.get(name, 0) % every == 0
+
     def commit_sent(self, name: str, compensated: torch.Tensor, sent: Dense | None,
-                    scheme: str = "") -> None:
+                    scheme: str = "", measure: bool = True) -> None:
         """Keep ``compensated - sent`` as the residual (with LoCo, its moving average with
         the old residual), computed in place in ``compensated`` (the buffer
         :meth:`compensate` returned); ``sent=None``: nothing was lost, the tensor has no
-        residual. ``scheme``: the sending scheme's name, for the report."""
+        residual. ``scheme``: the sending scheme's name, for the report. ``measure``:
+        record this commit's norms in the report and check the growth warning (see
+        :meth:`due`); the residual is the same either way."""
         old = self._residuals.pop(name, None)
-        input_norm = float(torch.linalg.vector_norm(compensated))
+        self._commits[name] = self._commits.get(name, 0) + 1
+        input_norm = float(torch.linalg.vector_norm(compensated)) if measure else 0.0
         density = density_of(sent, compensated.numel())
         if sent is None:
             self._spares[name] = compensated
             residual_norm = error_norm = 0.0
         else:
             residual = subtract(compensated, sent)
-            residual_norm = error_norm = float(torch.linalg.vector_norm(residual))
+            if measure:
+                residual_norm = error_norm = float(torch.linalg.vector_norm(residual))
             if self.beta:  # e_new = beta * e + (1 - beta) * ((g + e) - sent), in place
                 residual.mul_(1 - self.beta)
                 if old is not None:  # (no old residual: e = 0)
                     residual.add_(old.to(residual.device), alpha=self.beta)
-                residual_norm = float(torch.linalg.vector_norm(residual))
+                if measure:
+                    residual_norm = float(torch.linalg.vector_norm(residual))
             self._residuals[name] = residual
         if old is not None and old.shape == compensated.shape:
             self._spares.setdefault(name, old)
-        self._observe(name, input_norm, residual_norm, error_norm, density, scheme)
+        if measure:
+            self._observe(name, input_norm, residual_norm, error_norm, density, scheme)
 
     def observe_sent(self, name: str, x: torch.Tensor, sent: Dense | None,
                      scheme: str = "") -> None:
@@ -456,4 +473,5 @@ class ErrorFeedback:
         self._spares.clear()
         self._stats.clear()
         self._early.clear()
+        self._commits.clear()
         self._warned.clear()

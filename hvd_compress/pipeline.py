@@ -402,19 +402,17 @@ class Pipeline:
             runs. ``None`` or 0: one bucket for the step, started only once every planned
             tensor has been submitted. A tiny value (1) gives one collective per tensor and
             round, the behaviour without fusion.
-        report_every: measure the compression error of the tensors without error feedback
-            (:meth:`~hvd_compress.feedback.ErrorFeedback.observe_sent`, reported by
-            ``feedback.report()`` with the others) at every ``report_every``-th step of
-            each tensor (its first step included); 0: never. Default 10, which keeps the
-            price below a few percent of the encoding; 1 measures every step. Tensors with
-            error feedback are measured at every step whatever this says (their residual
-            update computes it), and so is DGC's velocity (one norm) unless this is 0.
-            The price is the decoding of a compressed all-reduce's own payload and one
-            read of the tensor (DGC, whose velocity is at hand, pays one norm). Measured
-            on one 8M-element CPU tensor, one rank in one process (no network, one
-            thread, a loaded 2-core machine): 14-25 ms a step for fp16, bf16, TernGrad
-            and QSGD (20-29% of such a step), 46-56 ms for the vote (8%), 4 ms for DGC
-            (2%); the schemes with error feedback pay nothing more.
+        report_every: how often ``feedback.report()`` is refreshed. A tensor without error
+            feedback has its compression error measured
+            (:meth:`~hvd_compress.feedback.ErrorFeedback.observe_sent`) at every
+            ``report_every``-th step (its first included); a tensor with error feedback has
+            its norms measured at each of its first ``window`` steps (they set the growth
+            warning's reference, :class:`~hvd_compress.feedback.ErrorFeedback`), then at
+            every ``report_every``-th; DGC's velocity (one norm at hand) at every step. 0:
+            never, beyond the error-feedback window. Default 10; 1 measures every step.
+            A measurement reads the tensor once or twice (a compressed all-reduce also
+            decodes its own payload) and waits for the result on the host, so it is kept
+            off most steps; see docs/results/overhead for what it costs.
     """
 
     def __init__(self, scheme: Scheme, comm: Communicator, policy: Policy | None = None,
@@ -848,7 +846,8 @@ class Pipeline:
             name, scheme = flight.name, flight.scheme
             if flight.feedback:
                 sent = outcome.sent if scheme.error_feedback else None
-                self.feedback.commit_sent(name, flight.x, sent, scheme.name)
+                self.feedback.commit_sent(name, flight.x, sent, scheme.name,
+                                          self.feedback.due(name, self.report_every))
             elif not isinstance(scheme, NoCompression) and self._reports(name, scheme):
                 reported = time.perf_counter()
                 self._report(flight, outcome)  # before _result may write into the gradient

@@ -278,6 +278,25 @@ def test_report_every_measures_every_nth_step_and_zero_never() -> None:
         Pipeline(Compression.fp16, pipe.comm, report_every=-1)
 
 
+def test_error_feedback_is_measured_through_its_window_then_every_nth_step() -> None:
+    """A tensor with error feedback has its norms measured at each of its first ``window``
+    (20) commits, then at every ``report_every``-th; its residual is updated at every step
+    all the same (the accounting ``sum sent + e = sum g`` holds after 45 steps)."""
+    gen = torch.Generator().manual_seed(3)
+    for every, measured in ((10, 20 + 3), (0, 20), (1, 45)):
+        pipe = make_pipelines(Compression.topk(ratio=0.25), 1)[0]
+        pipe.report_every = every
+        grads, applied = torch.zeros(64, dtype=torch.float64), torch.zeros(64, dtype=torch.float64)
+        for _ in range(45):
+            g = torch.randn(64, generator=gen)
+            grads += g.double()
+            applied += pipe.reduce({"w": g})["w"].double()
+        assert pipe.feedback.report()["w"].steps == measured, every
+        residual = pipe.feedback.get("w")
+        assert residual is not None
+        assert torch.allclose(applied + residual.double(), grads, atol=1e-4)
+
+
 def test_two_ranks_read_compression_feedback_after_steps() -> None:
     """Under horovodrun, 2 ranks and 3 steps of the torch optimizer: every compressed
     tensor (the 64x32 weight; the rest goes dense) is reported on each rank with that
