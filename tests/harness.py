@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import re
 import signal
 import subprocess
@@ -24,6 +23,8 @@ from typing import Any
 
 import torch
 
+from hvd_compress.native import cpu as native_cpu
+
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 LAUNCHERS = ("gloo", "mpi")
@@ -33,17 +34,10 @@ ATEN_KERNELS = {"avx2": {"avx2", "fma"}, "avx512": {"avx512f", "avx512bw", "avx5
 
 
 def cpu_info() -> tuple[str, set[str]]:
-    """This machine's CPU model and its feature flags (from ``/proc/cpuinfo``)."""
-    model, flags = platform.processor() or platform.machine(), set()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        fields: dict[str, str] = {}
-        for line in cpuinfo.read_text().splitlines():
-            key, _, value = line.partition(":")
-            fields.setdefault(key.strip(), value.strip())
-        model = fields.get("model name", fields.get("Hardware", model))
-        flags = set((fields.get("flags") or fields.get("Features", "")).split())
-    return model, flags
+    """This machine's CPU model and the feature flags every core has (``/proc/cpuinfo``,
+    read by the library's one reader, :func:`hvd_compress.native.cpu.cpu_info`)."""
+    info = native_cpu.cpu_info()
+    return info.model, set(info.flags)
 
 
 def aten_kernels() -> list[str]:

@@ -6,12 +6,23 @@ package is installed, into the extension file ``hvd_compress/native/_kernels*.so
 ``hvdc_source_hash()`` must equal :func:`source_hash` of the sources beside it, so a build
 from other sources (an edited checkout) is never used.
 
-Fallback, with a :class:`RuntimeWarning` saying so: when the extension is missing or
-stale, the sources are compiled at run time with the system C++ compiler (``g++``, or
-``$HVD_COMPRESS_CXX``) into ``$HVD_COMPRESS_CACHE/native`` (default
-``~/.cache/hvd-compress/native``), under a name that hashes the sources, the flags and the
-CPU, so an edit or another machine gets its own build. Should that fail too, a second
-warning says why and the callers run their torch or numpy code instead.
+CPU features: every build writes beside the library a record of the instruction-set
+extensions it was compiled for (:mod:`hvd_compress.native.cpu`). The record is read and
+compared with the running CPU's flags *before* the library is loaded, so a build made for
+another CPU (``-march=native`` on another node type, in a shared environment) is never
+loaded where it would die with ``SIGILL``; a library without a record is not loaded
+either. Once loaded, the library's own list (``hvdc_cpu_features()``) must equal its
+record before any kernel runs.
+
+Fallback, with a :class:`RuntimeWarning` saying why and what to do: when the extension is
+missing, stale or built for CPU features this CPU lacks, the sources are compiled at run
+time with the system C++ compiler (``g++``, or ``$HVD_COMPRESS_CXX``) into
+``$HVD_COMPRESS_CACHE/native`` (default ``~/.cache/hvd-compress/native``), under a name
+that hashes the sources, the flags and the CPU, so an edit or another machine gets its own
+build (checked the same way). Should that fail too, or be built for features this CPU
+lacks (``$HVD_COMPRESS_MARCH``), a second warning says why and the callers run their
+torch or numpy code instead. ``python -m hvd_compress.native build`` rebuilds the
+installed extension for this CPU (or for ``$HVD_COMPRESS_MARCH``).
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ import contextlib
 import contextvars
 import ctypes
 import hashlib
+import importlib.machinery
 import importlib.util
 import os
 import platform
@@ -29,6 +41,8 @@ import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+
+from hvd_compress.native import cpu
 
 HERE = Path(__file__).parent
 SOURCES = (HERE / "codecs.cpp", HERE / "sparse.cpp", HERE / "version.cpp")
@@ -93,44 +107,68 @@ def cache_dir() -> Path:
     return Path(root) / "native"
 
 
-def _cpu_identity() -> str:
-    """The CPU's model and feature flags, which ``-march=native`` builds for."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor()
-    return "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags"))}))
-
-
 def library_path() -> Path:
     """Where the fallback build for this source, flags and CPU lives (the C ABI does not
     depend on the compiler, so a build outlives the compiler that made it)."""
     key = hashlib.sha256("\0".join([source_hash(), march(), platform.machine(),
-                                    _cpu_identity()]).encode())
+                                    cpu.cpu_info().identity()]).encode())
     return cache_dir() / f"hvdc-codecs-{key.hexdigest()[:16]}.so"
 
 
-def build() -> Path:
-    """Compile the kernels into the cache unless already there; return the library's path."""
-    path = library_path()
-    if path.exists():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Compile next to the target and rename: concurrent builders never see a partial file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+def compile_command() -> list[str]:
+    """The compiler and flags of a build (without ``-shared``, output and sources)."""
+    return [compiler(), *COMPILE_FLAGS, f"-march={march()}", *defines()]
+
+
+def compile_library(target: Path) -> Path:
+    """Compile the kernels into ``target`` with :func:`compile_command`, and write their CPU
+    record beside it (:func:`hvd_compress.native.cpu.write_record`). The library is
+    compiled next to the target and renamed, so concurrent builders and loaders never see
+    a partial file; the record is written first, so a library is never without one.
+    ``RuntimeError`` with the compiler's message if compiling fails."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        result = subprocess.run([compiler(), *COMPILE_FLAGS, f"-march={march()}", *defines(),
-                                 "-shared", "-fPIC", "-o", tmp, *map(str, SOURCES)],
+        command = compile_command()
+        result = subprocess.run([*command, "-shared", "-fPIC", "-o", tmp, *map(str, SOURCES)],
                                 capture_output=True, text=True)
         if result.returncode:
             names = " ".join(src.name for src in SOURCES)
             raise RuntimeError(f"compiling {names} failed:\n{result.stderr}")
-        os.replace(tmp, path)
+        cpu.write_record(target, command, march(), source_hash())
+        os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return path
+    return target
+
+
+def build() -> Path:
+    """Compile the kernels into the cache unless already there (with their record); return
+    the library's path."""
+    path = library_path()
+    if path.exists() and cpu.read_record(path) is not None:
+        return path
+    return compile_library(path)
+
+
+def extension_target() -> Path:
+    """Where the extension built at install is, or would be: :func:`installed_path`, else
+    ``_kernels<this Python's extension suffix>`` beside this file."""
+    return installed_path() or HERE / f"_kernels{importlib.machinery.EXTENSION_SUFFIXES[0]}"
+
+
+def rebuild_extension() -> Path:
+    """Compile the installed extension again, in place, for :func:`march` (``native``: this
+    machine's CPU), with its record; what ``python -m hvd_compress.native build`` does.
+    Returns its path; ``PermissionError`` naming the folder if it is not writable."""
+    target = extension_target()
+    if not os.access(target.parent, os.W_OK):
+        raise PermissionError(f"cannot write {target.parent}: rebuild as the user who "
+                              "installed hvd-compress, or reinstall it (pip install) with "
+                              "HVD_COMPRESS_MARCH set")
+    return compile_library(target)
 
 
 def installed_path() -> Path | None:
@@ -162,23 +200,84 @@ def _built_hash(lib: ctypes.CDLL) -> str | None:
     return fn().decode()
 
 
+def _built_features(lib: ctypes.CDLL) -> list[str] | None:
+    """The CPU features the loaded library says it was compiled for (``version.cpp``)."""
+    try:
+        fn = lib.hvdc_cpu_features
+    except AttributeError:
+        return None
+    fn.argtypes, fn.restype = [], ctypes.c_char_p
+    return sorted(set(fn().decode().split()))
+
+
+REINSTALL = "Reinstall the package (pip install .) to build them at install."
+REBUILD = ("Rebuild it for this CPU with `python -m hvd_compress.native build`; for an "
+           "environment shared by machines of several CPU types, build for their common "
+           "features instead: `HVD_COMPRESS_MARCH=x86-64-v2 python -m hvd_compress.native "
+           "build` (every x86-64 CPU since about 2009; x86-64-v3 needs AVX2), or reinstall "
+           "with HVD_COMPRESS_MARCH set.")
+
+
+def refusal(path: Path) -> str | None:
+    """Why the library at ``path`` must not be loaded on this CPU, from its record alone
+    (the library is not opened): it has no record, or the record names CPU features that
+    this CPU lacks. ``None`` if it may be loaded."""
+    record = cpu.read_record(path)
+    if record is None:
+        return (f"{path.name} has no record of the CPU features it was built for "
+                f"({cpu.record_path(path).name}; built by an older hvd-compress or by "
+                "hand), so it is not loaded: it could crash this process with SIGILL")
+    lacking = cpu.missing(record["features"])
+    if lacking:
+        return (f"{path.name} was built (-march={record.get('march')}) for CPU features "
+                f"this CPU lacks: {', '.join(lacking)}; it is not loaded, as running it "
+                "would crash this process with SIGILL")
+    return None
+
+
+def _mismatch(lib: ctypes.CDLL, path: Path) -> str | None:
+    """Why the loaded library at ``path`` must not be used (no kernel of it has run yet):
+    it was built from other sources, or its own list of CPU features is not its record."""
+    if _built_hash(lib) != source_hash():
+        return f"{path.name} was built from other kernel sources than these"
+    record, built = cpu.read_record(path), _built_features(lib)
+    recorded = None if record is None else sorted(set(record["features"]))
+    if built is None or built != recorded:
+        return (f"{path.name} is not the build its record {cpu.record_path(path).name} "
+                f"describes (CPU features compiled in: {' '.join(built or []) or 'none'}; "
+                f"recorded: {' '.join(recorded or []) or 'none'})")
+    return None
+
+
 def _load() -> ctypes.CDLL:
-    """The installed extension if it matches the sources, else the fallback build."""
+    """The installed extension if it matches the sources and this CPU, else the fallback
+    build (which must match this CPU too)."""
     installed = installed_path()
     if installed is None:
-        why = "the native kernels were not compiled when hvd-compress was installed"
+        why, advice = ("the native kernels were not compiled when hvd-compress was "
+                       "installed"), REINSTALL
     else:
-        lib = ctypes.CDLL(str(installed))
-        if _built_hash(lib) == source_hash():
-            return _bind(lib)
-        why = f"{installed.name} was built from other kernel sources than these"
-    path = build()
+        why = refusal(installed)
+        if why is None:
+            lib = ctypes.CDLL(str(installed))
+            why = _mismatch(lib, installed)
+            if why is None:
+                return _bind(lib)
+        advice = REINSTALL if why.endswith("than these") else REBUILD
+    try:
+        path = build()
+    except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+        raise RuntimeError(f"{why}. {advice} A run-time build failed too: {err}") from err
+    refused = refusal(path)
+    if refused is not None:
+        raise RuntimeError(f"{why}. {advice} The run-time build is not usable either "
+                           f"(HVD_COMPRESS_MARCH={march()}): {refused}")
     warnings.warn(f"hvd_compress: {why}; using a run-time build with {compiler()} ({path}). "
-                  "Reinstall the package (pip install .) to build them at install.",
-                  RuntimeWarning, stacklevel=4)
+                  f"{advice}", RuntimeWarning, stacklevel=4)
     lib = ctypes.CDLL(str(path))
-    if _built_hash(lib) != source_hash():
-        raise RuntimeError(f"{path} does not match the kernel sources; delete it to rebuild")
+    mismatch = _mismatch(lib, path)
+    if mismatch is not None:
+        raise RuntimeError(f"{path}: {mismatch}; delete it to rebuild")
     return _bind(lib)
 
 
