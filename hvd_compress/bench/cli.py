@@ -152,8 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "(collectives='gloo'), SPEC@gloo@ps both "
                       f"(default: {' '.join(cluster.DEFAULT_SCHEMES)})")
     clus.add_argument("--ddp", nargs="*", choices=["none", "fp16"] + [
-        s for s in cluster.DDP_SCHEMES if s.startswith("powersgd")], metavar="SCHEME",
-        help="DDP configurations: none, fp16, powersgd:... (default: "
+        s for s in cluster.DDP_SCHEMES if "powersgd" in s], metavar="SCHEME",
+        help="DDP configurations: none, fp16, powersgd:... (powerSGD_hook), "
+             "batched-powersgd:... (batched_powerSGD_hook) (default: "
              f"{' '.join(cluster.DDP_SCHEMES)})")
     clus.add_argument("--horovod", nargs="*", choices=["none", "fp16"],
                       help="stock Horovod configurations (default: none fp16)")

@@ -6,7 +6,8 @@ trains the same MLP on those hosts, one launch (fresh processes) per configurati
 ``separate=False`` one per system running its configurations one after the other
 (:mod:`hvd_compress.bench.cluster_rank`):
 
-- PyTorch DDP on Gloo: no hook, ``fp16_compress_hook``, ``powerSGD_hook`` at the same rank
+- PyTorch DDP on Gloo: no hook, ``fp16_compress_hook``, ``powerSGD_hook`` and
+  ``batched_powerSGD_hook`` at the same rank
   and start iteration as ours (one bucket: the default buckets deadlocked at 4 ranks);
 - stock Horovod: ``Compression.none`` and ``Compression.fp16``, on Horovod's Gloo
   controller (``horovod``) and under ``mpirun`` (``horovod-mpi``), its faster setting at
@@ -93,7 +94,8 @@ DEFAULT_RATES = ("100mbit", "1gbit", "10gbit")
 DEFAULT_SCHEMES = ("none", "fp16", "powersgd:rank=4,start_iter=2", "onebit",
                    "topk:ratio=0.001", "topk:ratio=0.001@ps",
                    "auto:powersgd:rank=4,start_iter=2")
-DDP_SCHEMES = ("none", "fp16", "powersgd:rank=4,start_iter=2")
+DDP_SCHEMES = ("none", "fp16", "powersgd:rank=4,start_iter=2",
+               "batched-powersgd:rank=4,start_iter=2")
 HOROVOD_SCHEMES = ("none", "fp16")
 HOROVOD_SYSTEMS = ("horovod", "horovod-mpi")
 """Stock Horovod's rows: on its Gloo controller, and under ``mpirun``."""

@@ -11,7 +11,9 @@ setting, whatever its speed). Rank 0 writes one row per configuration.
 Systems:
 
 - ``ddp``: PyTorch ``DistributedDataParallel`` on Gloo; scheme ``none`` (no hook),
-  ``fp16`` (``fp16_compress_hook``) or ``powersgd:rank=R,start_iter=S`` (``powerSGD_hook``).
+  ``fp16`` (``fp16_compress_hook``), ``powersgd:rank=R,start_iter=S`` (``powerSGD_hook``)
+  or ``batched-powersgd:rank=R,start_iter=S`` (``batched_powerSGD_hook``: the whole
+  bucket as one square matrix).
 - ``horovod``: stock ``horovod.torch.DistributedOptimizer`` with ``Compression.none`` or
   ``Compression.fp16``.
 - ``hvd-compress``: :func:`hvd_compress.torch.DistributedOptimizer` with any scheme,
@@ -43,6 +45,8 @@ from torch import nn
 from hvd_compress.bench.hosts import interface_counters
 
 BATCH = 32
+BATCHED = "batched-powersgd"
+"""DDP's ``batched_powerSGD_hook``: the prefix of its ``ddp`` schemes."""
 
 
 def make_model(widths: Sequence[int], seed: int = 0) -> nn.Module:
@@ -60,6 +64,29 @@ def parameter_count(widths: Sequence[int]) -> int:
 
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def _batched_hook_needs_shim(psgd: Any) -> bool:
+    """Let ``batched_powerSGD_hook`` run where it cannot by itself: since PyTorch's
+    ``_orthogonalize`` takes batches of matrices (pytorch/pytorch#75157) the batched hook
+    still hands it one 2-D matrix and fails an assertion (torch 2.13). The shim
+    orthogonalizes a 2-D matrix as a batch of one, in place, which is what the hook means.
+    Returns whether it is needed (and so installed)."""
+    if getattr(psgd._orthogonalize, "shim", False):
+        return True
+    try:
+        psgd._orthogonalize(torch.eye(4, 2))
+        return False
+    except AssertionError:
+        pass
+    batches = psgd._orthogonalize
+
+    def orthogonalize(matrices: torch.Tensor, epsilon: float = 0) -> None:
+        batches(matrices.unsqueeze(0) if matrices.dim() == 2 else matrices, epsilon)
+
+    orthogonalize.shim = True  # type: ignore[attr-defined]
+    psgd._orthogonalize = orthogonalize
+    return True
 
 
 @dataclass(frozen=True)
@@ -199,21 +226,25 @@ class _System:
         from hvd_compress import Compression
         from hvd_compress.schemes.powersgd import PowerSGD
 
-        if scheme.startswith("powersgd"):
+        batched = scheme.startswith(BATCHED)
+        if scheme.startswith("powersgd") or batched:
             # One bucket: with DDP's default 25 MB buckets the hook's collectives, issued
             # from asynchronous callbacks, deadlocked at 4 ranks on this machine.
             ddp = DistributedDataParallel(model, bucket_cap_mb=1000, init_sync=False)
-            spec = Compression.parse(scheme)
+            spec = Compression.parse(scheme.removeprefix("batched-"))
             assert isinstance(spec, PowerSGD)
             state = psgd.PowerSGDState(process_group=None,
                                        matrix_approximation_rank=spec.rank,
                                        start_powerSGD_iter=max(spec.start_iter, 2),
                                        min_compression_rate=spec.min_compression_rate,
                                        use_error_feedback=True, warm_start=spec.warm_start)
-            ddp.register_comm_hook(state, psgd.powerSGD_hook)
-            settings = {"hook": "powerSGD_hook", "bucket_cap_mb": 1000,
+            hook = psgd.batched_powerSGD_hook if batched else psgd.powerSGD_hook
+            ddp.register_comm_hook(state, hook)
+            settings = {"hook": hook.__name__, "bucket_cap_mb": 1000,
                         "matrix_approximation_rank": spec.rank,
                         "start_powerSGD_iter": max(spec.start_iter, 2)}
+            if batched and _batched_hook_needs_shim(psgd):
+                settings["orthogonalize_shim"] = True
         else:
             ddp = DistributedDataParallel(model, init_sync=False)  # default 25 MB buckets
             settings = {"hook": None, "bucket_cap_mb": 25}
@@ -221,7 +252,8 @@ class _System:
                 ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
                 settings["hook"] = "fp16_compress_hook"
             elif scheme != "none":
-                raise ValueError(f"ddp runs none, fp16 or powersgd, not {scheme!r}")
+                raise ValueError(f"ddp runs none, fp16, powersgd or {BATCHED}, not "
+                                 f"{scheme!r}")
         return ddp, optimizer, settings
 
     def replicas_agree(self, model: nn.Module) -> bool | None:
