@@ -83,7 +83,10 @@ class QSGD(PackedScheme):
             norm = rows.abs().amax(dim=1)
         else:
             norm = rows.double().square().sum(dim=1).sqrt().float()
-        inv = s / norm.clamp_min(torch.finfo(torch.float32).tiny)
+        # s / norm as one correctly rounded division, as the native kernel does it (a
+        # Python number over a tensor is tensor.reciprocal() * s: two roundings).
+        divisor = norm.clamp_min(torch.finfo(torch.float32).tiny)
+        inv = torch.full_like(divisor, s).div_(divisor)
         scaled = rows.abs().mul_(inv.unsqueeze(1)).view(-1)[: x.numel()]
         noise = torch.rand(scaled.shape, generator=generator, device=x.device)
         level = scaled.add_(noise).floor_().clamp_(0, s).nan_to_num_(0.0)
@@ -97,7 +100,11 @@ class QSGD(PackedScheme):
         if native.active(payload):
             return native.decode("qsgd", payload, numel, self.bucket_size, self.bits)
         values = wire.unpack_codes(codes, numel, self.bits).to(torch.float32)
-        scale = wire.bytes_to_floats(norms).div(self.levels)
+        # norm / s with the divisor a tensor on the payload's device: ATen's CUDA kernel
+        # divides by a Python number as a multiplication by its float32 reciprocal, one ulp
+        # off the division of the CPU and the native kernel for about half of all norms.
+        norms = wire.bytes_to_floats(norms)
+        scale = norms / torch.full_like(norms, self.levels)
         return values.sub_(self.levels).mul_(scale.repeat_interleave(self.bucket_size)[:numel])
 
     def options(self) -> dict[str, Any]:
