@@ -152,6 +152,29 @@ def test_kernels_rows(tmp_path: Path) -> None:
     assert shapes[1000, "onebit"] == [1000]
 
 
+def test_kernels_markdown_and_device(tmp_path: Path) -> None:
+    markdown = tmp_path / "kernels.md"
+    main(["kernels", "--sizes", "1000", "--repeat", "1", "--no-tf", "--selection-sizes", "1000",
+          "--markdown", str(markdown)])
+    text = markdown.read_text()
+    assert text.count("### ") == 2 and "| device | scheme | elements |" in text
+    assert "| cpu | onebit | 1,000 | decode(encode(x)) |" in text
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match=r"torch\.cuda\.is_available\(\) is False"):
+            main(["kernels", "--device", "cuda", "--sizes", "1000"])
+
+
+@pytest.mark.gpu
+def test_cuda_kernels_rows() -> None:
+    from hvd_compress.bench import kernels
+
+    rows = kernels.run([1000, 1 << 16], 2, "cuda")
+    assert [(r["numel"], r["scheme"]) for r in rows] == [
+        (n, spec) for n in (1000, 1 << 16) for spec in KERNEL_SCHEMES]
+    assert all(r["device"] == "cuda" and r["seconds"] > 0 and r["copy_seconds"] > 0
+               for r in rows)
+
+
 @pytest.mark.parametrize(("spec", "max_error"), [
     ("fp16", 2**-11), ("bf16", 2**-8), ("onebit", 0.65),  # sqrt(1 - 2/pi) for a Gaussian
     ("qsgd:bits=4", 0.25), ("qsgd:bits=8", 0.02), ("terngrad", 1.35)])

@@ -23,7 +23,7 @@ from hvd_compress.bench import (
     selection,
     wire_bytes,
 )
-from hvd_compress.bench.report import publish
+from hvd_compress.bench.report import check_targets, markdown_table, publish
 
 T = TypeVar("T")
 
@@ -85,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="skip the TensorFlow table (TensorFlow is not imported)")
     kern.add_argument("--selection-sizes", type=_comma_list(kernels.parse_count),
                       help="sizes of the top-k selection table (default: --sizes)")
+    kern.add_argument("--device", choices=kernels.DEVICES, default="cpu",
+                      help="where the codecs run (default cpu); cuda times them with CUDA "
+                           "events against a device-to-device copy, and runs the codec "
+                           "table only (no TensorFlow or selection table)")
+    kern.add_argument("--markdown", type=Path,
+                      help="also write the tables as Markdown to this file")
 
     server = commands.add_parser("ps", help="parameter-server aggregation throughput")
     server.add_argument("--json", type=Path, help="write the rows to this file")
@@ -339,27 +345,40 @@ def _cluster(args: argparse.Namespace) -> int:
 
 def _kernels(args: argparse.Namespace) -> None:
     """Three tables: codec throughput against a copy, the TensorFlow path's overhead, and
-    DGC's threshold selection against torch.topk. The JSON holds every row, each with its
-    table's name under ``benchmark``."""
-    tables = [("codecs", kernels.title(args.repeat), kernels.COLUMNS, kernels.TARGETS,
-               lambda: kernels.run(args.sizes, args.repeat))]
-    if not args.no_tf:
+    DGC's threshold selection against torch.topk (with ``--device cuda``, the first only).
+    The JSON holds every row, each with its table's name under ``benchmark``; the Markdown
+    file (``--markdown``) each table under its title, with the target lines."""
+    try:
+        kernels.check_device(args.device)
+    except ValueError as err:
+        raise SystemExit(f"kernels: {err}") from None
+    tables = [("codecs", kernels.title(args.repeat, args.device), kernels.COLUMNS,
+               kernels.TARGETS, lambda: kernels.run(args.sizes, args.repeat, args.device))]
+    if args.device == "cpu" and not args.no_tf:
         from hvd_compress.bench import kernels_tf  # imports TensorFlow
 
         tables.append(("tensorflow", kernels_tf.title(args.repeat), kernels_tf.COLUMNS,
                        kernels_tf.TARGETS, lambda: kernels_tf.run(args.tf_sizes, args.repeat)))
-    tables.append(("selection", selection.title(args.repeat), selection.COLUMNS,
-                   selection.TARGETS,
-                   lambda: selection.run(args.selection_sizes or args.sizes, args.repeat)))
+    if args.device == "cpu":
+        tables.append(("selection", selection.title(args.repeat), selection.COLUMNS,
+                       selection.TARGETS,
+                       lambda: selection.run(args.selection_sizes or args.sizes, args.repeat)))
     all_rows: list[dict] = []
+    markdown: list[str] = []
     for name, heading, columns, targets, run in tables:
         rows = [{"benchmark": name, **row} for row in run()]
         publish(heading, rows, columns, targets, None)
         print()
         all_rows += rows
+        lines = check_targets(rows, targets)
+        markdown += [f"### {heading}", "", markdown_table(rows, columns), "",
+                     *(f"- {line}" for line in lines), *([""] if lines else [])]
     if args.json is not None:
         args.json.write_text(json.dumps(all_rows, indent=2) + "\n")
         print(f"wrote {len(all_rows)} rows to {args.json}")
+    if args.markdown is not None:
+        args.markdown.write_text("\n".join(markdown).rstrip("\n") + "\n")
+        print(f"wrote {len(tables)} table(s) to {args.markdown}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

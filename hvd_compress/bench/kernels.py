@@ -19,6 +19,12 @@ intra-op threads (``torch.get_num_threads()``, in the title: every core unless l
 Every output is a new tensor, as in an exchange; large CPU ones are lent recycled memory
 (:mod:`hvd_compress.native.buffers`), so from the warm-up on, as from a training's second
 step, they are written without page faults.
+
+``device="cuda"`` (``--device cuda``) runs the same schemes' torch code on a CUDA tensor,
+against a device-to-device ``dst.copy_(src)``, timed with CUDA events (the seconds from an
+event recorded before the call to one recorded after it, the host waiting for the second;
+host work inside the call, such as a scheme reading a flag back, counts), after
+:data:`CUDA_WARMUP` warm-up runs. The random codecs draw from a CUDA generator.
 """
 
 from __future__ import annotations
@@ -47,6 +53,11 @@ from hvd_compress.schemes.powersgd import PowerSGD
 
 KERNEL_SCHEMES = tuple(spec for spec in SCHEMES if spec != "none")
 """Every benchmarked scheme but ``none``, which has nothing to encode."""
+
+DEVICES = ("cpu", "cuda")
+CUDA_WARMUP = 3
+"""Untimed runs of each kernel and copy before timing on CUDA (kernel loading, the caching
+allocator's first blocks); one on the CPU."""
 
 _SUFFIXES = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -99,7 +110,7 @@ def make_kernel(spec: str, x: torch.Tensor) -> Kernel:
                       lambda: scheme.decompress(*scheme.compress(x)))
     if isinstance(scheme, PackedScheme):
         # run() draws x from seed 0; the same stream here would correlate the noise with x.
-        gen = torch.Generator().manual_seed(1)
+        gen = torch.Generator(device=x.device).manual_seed(1)
         return Kernel(spec, "decode(encode(x))", (n,),
                       lambda: scheme.decode(scheme.encode(x, gen), n))
     if isinstance(scheme, PowerSGD):
@@ -128,19 +139,38 @@ def _seconds(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
+def _cuda_seconds(fn: Callable[[], object]) -> float:
+    """Seconds between CUDA events recorded before and after ``fn()`` on the current
+    stream, once the second has completed."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
 def time_against_copy(kernel: Kernel, x: torch.Tensor, repeat: int) -> tuple[float, float]:
-    """Median seconds of the kernel and of copying ``x``, timed alternately after a warm-up."""
+    """Median seconds of the kernel and of copying ``x`` (on its device), timed alternately
+    after a warm-up (one run each on the CPU, :data:`CUDA_WARMUP` on CUDA, where CUDA
+    events time them)."""
     dst = torch.empty_like(x)
-    kernel.run()
-    dst.copy_(x)
+    cuda = x.device.type == "cuda"
+    seconds = _cuda_seconds if cuda else _seconds
+    for _ in range(CUDA_WARMUP if cuda else 1):
+        kernel.run()
+        dst.copy_(x)
+    if cuda:
+        torch.cuda.synchronize(x.device)
     kernel_times, copy_times = [], []
     for _ in range(repeat):
-        copy_times.append(_seconds(lambda: dst.copy_(x)))
-        kernel_times.append(_seconds(kernel.run))
+        copy_times.append(seconds(lambda: dst.copy_(x)))
+        kernel_times.append(seconds(kernel.run))
     return statistics.median(kernel_times), statistics.median(copy_times)
 
 
 COLUMNS = (
+    Column("device", field("device")),
     Column("scheme", field("scheme")),
     Column("elements", field("numel", "{:,}")),
     Column("timed", field("op")),
@@ -150,30 +180,59 @@ COLUMNS = (
     Column("ratio to copy", field("ratio_to_copy", "{:.3f}")),
 )
 
-TARGETS = tuple(Target({"scheme": spec, "numel": 64 << 20}, "ratio_to_copy", ">=", 0.5)
-                for spec in ("fp16", "onebit", "qsgd:bits=4"))
+TARGETS = tuple(Target({"device": "cpu", "scheme": spec, "numel": 64 << 20}, "ratio_to_copy",
+                       ">=", 0.5) for spec in ("fp16", "onebit", "qsgd:bits=4"))
+"""On the CPU only: nothing has been measured on CUDA to set a goal by."""
 
 
-def title(repeat: int) -> str:
+def device_name(device: str) -> str:
+    """The device as the title and rows name it: the CPU's threads, or the GPU's name with
+    torch's CUDA version."""
+    if device == "cuda":
+        return (f"{torch.cuda.get_device_name()} (torch {torch.__version__}, "
+                f"CUDA {torch.version.cuda})")
+    return f"CPU, {torch.get_num_threads()} threads"
+
+
+def check_device(device: str) -> torch.device:
+    """``device`` as a torch device; ``ValueError`` saying what is missing if it cannot
+    run here."""
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch.cuda.is_available() is False here (torch "
+                         f"{torch.__version__}, built with CUDA {torch.version.cuda})")
+    return torch.device(device)
+
+
+def title(repeat: int, device: str = "cpu") -> str:
+    if device == "cuda":
+        return (f"Encode+decode throughput on {device_name(device)} (float32 input bytes/s), "
+                f"median of {repeat} timed with CUDA events after {CUDA_WARMUP} warm-ups, "
+                "interleaved with a device-to-device dst.copy_(src)")
     return (f"Encode+decode throughput (float32 input bytes/s), median of {repeat}, "
             f"interleaved with dst.copy_(src); threads (copy, casts and codec kernels): "
             f"{torch.get_num_threads()}")
 
 
-def run(sizes: Sequence[int], repeat: int) -> list[Row]:
-    """One row per (size, scheme)."""
+def run(sizes: Sequence[int], repeat: int, device: str = "cpu",
+        schemes: Sequence[str] = KERNEL_SCHEMES) -> list[Row]:
+    """One row per (size, scheme), on ``device`` (``cpu`` or ``cuda``)."""
+    where = check_device(device)
     rows = []
     for numel in sizes:
-        x = torch.randn(numel, generator=torch.Generator().manual_seed(0))
-        for spec in KERNEL_SCHEMES:
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(0)).to(where)
+        for spec in schemes:
             kernel = make_kernel(spec, x)
             seconds, copy_seconds = time_against_copy(kernel, x, repeat)
             rate, copy_rate = 4 * numel / seconds, 4 * numel / copy_seconds
             rows.append({
+                "device": device, "device_name": device_name(device),
                 "scheme": spec, "numel": numel, "op": kernel.op, "shape": list(kernel.shape),
                 "seconds": seconds, "bytes_per_second": rate,
                 "copy_seconds": copy_seconds, "copy_bytes_per_second": copy_rate,
                 "ratio_to_copy": rate / copy_rate, "repeat": repeat,
                 "torch_threads": torch.get_num_threads(),
             })
+            del kernel
     return rows

@@ -66,6 +66,15 @@ def format_table(rows: Sequence[Row], columns: Sequence[Column]) -> str:
     return "\n".join(lines)
 
 
+def markdown_table(rows: Sequence[Row], columns: Sequence[Column]) -> str:
+    """Rows as a GitHub-flavoured Markdown table (``|`` in a cell escaped)."""
+    def line(cells: Sequence[str]) -> str:
+        return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
+
+    return "\n".join([line([c.header for c in columns]), line(["---"] * len(columns)),
+                      *(line([c.cell(row) for c in columns]) for row in rows)])
+
+
 def _figure(value: float | None) -> str:
     return "not measured" if value is None else f"{value:.4g}"
 
