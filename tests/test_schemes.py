@@ -115,7 +115,36 @@ def test_powersgd_policy_and_warm_start() -> None:
     assert not torch.equal(pipes[0].scheme_state("m")["q"], q)  # updated, carried over
 
 
+@pytest.mark.parametrize("size", [1, 3])
+def test_alternating_powersgd_is_exact_on_low_rank_sums_after_one_step(size: int) -> None:
+    """``alternate=True``: step 0 projects on a random right basis (not exact); from step 1
+    the basis is the sum's own column space (then row space), so a sum of rank <= r is
+    recovered exactly at every step. Payloads alternate n r and m r floats, one round of
+    one fused collective per step."""
+    rank, n, m = 3, 40, 30
+    gen = torch.Generator().manual_seed(7)
+    u, v = torch.randn(n, rank, generator=gen), torch.randn(rank, m, generator=gen)
+    scheme = Compression.parse(f"powersgd:rank={rank},start_iter=0,alternate=True")
+    pipes = make_pipelines(scheme, size)
+    for step in range(5):
+        coeffs = [torch.randn(rank, rank, generator=gen) for _ in range(size)]
+        matrices = [u @ c @ v for c in coeffs]  # every step's sum spans u's and v's spaces
+        for pipe in pipes:
+            pipe.feedback.load_state_dict({})  # judge the projection alone, not the feedback
+        out = on_threads(size, lambda r, ms=matrices: pipes[r].reduce({"m": ms[r]})["m"])
+        stats = pipes[0].last_step
+        assert stats.payload_bytes == 4 * rank * (n if step % 2 == 0 else m), step
+        assert stats.collectives == 1, step
+        if step > 0:
+            torch.testing.assert_close(out[0], sum(matrices), rtol=1e-4, atol=1e-4)
+        for other in out[1:]:
+            assert torch.equal(other, out[0])
+    with pytest.raises(ValueError, match="needs warm_start=True"):
+        Compression.powersgd(alternate=True, warm_start=False)
+
+
 @pytest.mark.parametrize("spec", ["onebit:bucket_size=32", "powersgd:rank=1,start_iter=2",
+                                  "powersgd:rank=2,start_iter=1,alternate=True",
                                   "qsgd:bits=2,bucket_size=32,error_feedback=True",
                                   "terngrad:bucket_size=32,clip=2.5,error_feedback=True"])
 def test_error_feedback_loses_nothing(spec: str) -> None:

@@ -105,6 +105,9 @@ def recommended(task: str, steps: int) -> list[Config]:
             Config(task, "fp16", "fp16", opt),
             Config(task, "bf16", "bf16", opt),
             Config(task, "powersgd", powersgd, scaled, warmup_steps=start),
+            # One round and one side per step (PowerSGD's alternate=True).
+            Config(task, "powersgd-alternate", f"{powersgd},alternate=True", scaled,
+                   warmup_steps=start),
             # 1-bit: its dense warm-up (start_iter, 10% of the steps, as PowerSGD's) lets
             # Adam's second moment start from exact gradients. With it, by bucket size and
             # lr: 16 at 9e-3 1.649; 32 at 3e-3 1.822, at 6e-3 1.689, at 9e-3 1.641; 64 at
@@ -161,6 +164,8 @@ def recommended(task: str, steps: int) -> list[Config]:
             Config(task, "fp16", "fp16", opt),
             Config(task, "bf16", "bf16", opt),
             Config(task, "powersgd", powersgd, opt, warmup_steps=10),
+            Config(task, "powersgd-alternate", f"{powersgd},alternate=True", opt,
+                   warmup_steps=10),
             Config(task, "onebit", "onebit", lighter),
             Config(task, "qsgd", "qsgd", opt),
             Config(task, "terngrad", "terngrad", opt),

@@ -12,6 +12,7 @@ from hvd_compress.schemes.base import Exchange, ExchangeContext, LowRank, Outcom
 from hvd_compress.schemes.warmup import check_start_iter, dense_warmup
 
 Q_STATE = "q"
+P_STATE = "p"
 
 
 class PowerSGD(Scheme):
@@ -29,6 +30,23 @@ class PowerSGD(Scheme):
     ``r = min(rank, n, m)``. Rank ``w``'s own contribution is ``P^ P^T M_w``; error feedback
     keeps ``M_w - P^ P^T M_w`` for the next step, so nothing is lost, only delayed. When
     ``M`` has rank at most ``r`` the aggregate is exact.
+
+    ``alternate=True`` takes one half of that power iteration per step, alternating sides
+    (the half-rank reducer its authors suggest for warm starts). With an orthonormal basis
+    ``B`` kept from the previous step, one round::
+
+        even steps (B = Q^, m x r):  P = M B      all-reduce P    aggregate = P B^T
+                                     next B = orthonormal basis of P   (n x r)
+        odd steps  (B = P^, n x r):  Q = M^T B    all-reduce Q    aggregate = B Q^T
+                                     next B = orthonormal basis of Q   (m x r)
+
+    Each step projects every rank's ``M_w`` onto the same subspace (``M_w B B^T`` or
+    ``B B^T M_w``), so the aggregate is still the sum of the contributions and error
+    feedback keeps the rest. Per step: one round instead of two, ``n r`` or ``m r`` floats
+    instead of ``(n + m) r``, and one product with ``M`` fewer; the subspace is refined by
+    half a power iteration per step instead of a whole one, so a gradient whose dominant
+    subspace moves fast is tracked one step later. ``start_iter`` and the first basis (a
+    Gaussian, orthonormalised, identical on every rank) are as above.
 
     Args:
         rank: ``r``. Per-rank payload is ``(n + m) r`` floats instead of ``n m``.
@@ -54,14 +72,19 @@ class PowerSGD(Scheme):
     error_feedback = True
 
     def __init__(self, rank: int = 4, start_iter: int = 10, min_compression_rate: float = 2.0,
-                 warm_start: bool = True, loco_beta: float = 0.0) -> None:
+                 warm_start: bool = True, loco_beta: float = 0.0,
+                 alternate: bool = False) -> None:
         if rank < 1:
             raise ValueError(f"powersgd: rank must be >= 1, got {rank}")
+        if alternate and not warm_start:
+            raise ValueError("powersgd: alternate=True refines the previous step's basis, so "
+                             "it needs warm_start=True")
         self.rank = rank
         self.start_iter = check_start_iter(self.name, start_iter)
         self.min_compression_rate = min_compression_rate
         self.warm_start = warm_start
         self.loco_beta = self.loco_option(loco_beta)
+        self.alternate = alternate
 
     @staticmethod
     def matrix_shape(shape: torch.Size) -> tuple[int, int]:
@@ -77,8 +100,11 @@ class PowerSGD(Scheme):
         return len(shape) >= 2 and shape.numel() > 0
 
     def payload_bytes(self, shape: torch.Size) -> int:
+        """Bytes per step: ``4 (n + m) r``; with ``alternate``, the mean of a step's
+        ``4 n r`` and the next one's ``4 m r``."""
         n, m = self.matrix_shape(shape)
-        return 4 * (n + m) * self._rank_for(shape)
+        both = 4 * (n + m) * self._rank_for(shape)
+        return both // 2 if self.alternate else both
 
     def exchange(self, x: torch.Tensor, state: Mapping[str, torch.Tensor],
                  ctx: ExchangeContext) -> Exchange:
@@ -88,6 +114,8 @@ class PowerSGD(Scheme):
         n, m = self.matrix_shape(x.shape)
         r = self._rank_for(x.shape)
         matrix = x.reshape(n, m)
+        if self.alternate:
+            return (yield from self._half_step(matrix, x.shape, r, state, ctx))
         q = state.get(Q_STATE) if self.warm_start else None
         if q is None or q.shape != (m, r):
             gen = ctx.generator("init-q", torch.device("cpu"), shared=True)
@@ -104,7 +132,34 @@ class PowerSGD(Scheme):
         sent = LowRank(p_hat, q_local, x.shape)
         return Outcome(aggregate, sent, 4 * (n + m) * r, {Q_STATE: q_total})
 
+    def _half_step(self, matrix: torch.Tensor, shape: torch.Size, r: int,
+                   state: Mapping[str, torch.Tensor], ctx: ExchangeContext) -> Exchange:
+        """One round of ``alternate``: project on the kept basis's side, sum, keep the
+        orthonormal basis of the sum for the other side next step."""
+        left = (ctx.step - self.start_iter) % 2 == 1  # odd steps: B = P^, send M^T B
+        key = P_STATE if left else Q_STATE
+        rows = matrix.shape[0] if left else matrix.shape[1]
+        basis = state.get(key)
+        if basis is None or basis.shape != (rows, r):
+            gen = ctx.generator(f"init-{key}", torch.device("cpu"), shared=True)
+            basis = torch.linalg.qr(torch.randn(rows, r, generator=gen)).Q.to(matrix.device)
+        if left:
+            local = matrix.t() @ basis
+            total = yield AllReduce("Q", local)
+            aggregate, sent = LowRank(basis, total, shape), LowRank(basis, local, shape)
+            kept = {Q_STATE: torch.linalg.qr(total).Q}
+        else:
+            local = matrix @ basis
+            total = yield AllReduce("P", local)
+            aggregate, sent = LowRank(total, basis, shape), LowRank(local, basis, shape)
+            kept = {P_STATE: torch.linalg.qr(total).Q}
+        return Outcome(aggregate, sent, 4 * local.numel(), kept)
+
     def options(self) -> dict[str, Any]:
-        return {"rank": self.rank, "start_iter": self.start_iter,
-                "min_compression_rate": self.min_compression_rate,
-                "warm_start": self.warm_start}
+        """``alternate`` only when on, so checkpoints from before the option still load."""
+        options: dict[str, Any] = {"rank": self.rank, "start_iter": self.start_iter,
+                                   "min_compression_rate": self.min_compression_rate,
+                                   "warm_start": self.warm_start}
+        if self.alternate:
+            options["alternate"] = True
+        return options
