@@ -286,10 +286,12 @@ def test_overhead_bench_times_every_system_side_by_side(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     [row] = json.loads(out.read_text())
-    assert set(row["step_s"]) == {"floor", "ddp", "hook", "ours"}
+    assert set(row["step_s"]) == {"floor", "ddp", "hook", "ours", "alternate"}
     assert all(t > 0 for t in row["step_s"].values())
     assert row["hook_cpu_s"] == pytest.approx(row["cpu_s"]["hook"] - row["cpu_s"]["ddp"])
     assert row["ours_cpu_s"] == pytest.approx(row["cpu_s"]["ours"] - row["cpu_s"]["floor"])
+    assert row["alternate_cpu_s"] == pytest.approx(row["cpu_s"]["alternate"]
+                                                   - row["cpu_s"]["floor"])
     assert row["ours_phases_s"]["scheme"] > 0 and row["ours_phases_s"]["commit"] > 0
     assert "tiny: our CPU per step" in done.stdout
 
