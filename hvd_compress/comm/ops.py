@@ -13,12 +13,15 @@ deterministic and identical on every rank, which is how Horovod matches collecti
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
 import torch
 
+from hvd_compress.comm.staging import pairs_to_host
+from hvd_compress.native import buffers
 from hvd_compress.sparse_wire import ValueDType, pairs_nbytes
 
 
@@ -89,6 +92,11 @@ class SparseSum:
     :mod:`hvd_compress.sparse_wire`, either gathered by every rank (Horovod ``allgather``)
     or to a parameter server.
 
+    The sum is defined in rank order (:func:`sum_pairs`): entry ``i`` is
+    ``((0 + v_0) + v_1) + ...`` over the ranks that sent ``i``, in float32, the order the
+    parameter server adds pushes in too; every communicator returns those bits on every
+    rank and device, so replicas never drift apart.
+
     Never fused: every sparse sum is its own collective, named after its tensor (the
     parameter server keeps rounds per tensor and shards by the tensor's index range).
     """
@@ -103,10 +111,17 @@ class SparseSum:
         return wire_dtype(self.values)
 
     @cached_property
+    def host(self) -> tuple[np.ndarray, np.ndarray]:
+        """This rank's pairs on the host as they come (int64 indices, values in their wire
+        dtype), copied from the device once (:func:`~hvd_compress.comm.staging.
+        pairs_to_host`) and shared by the byte count, the frame and the push."""
+        return pairs_to_host(self.indices, self.values, TORCH_VALUES[self.value_dtype])
+
+    @cached_property
     def wire_nbytes(self) -> int:
         """The coded index and value sections of this rank's frame; computed once (the
         pipeline counts it and the scheme reports it)."""
-        return pairs_nbytes(self.indices.detach().cpu().numpy(), self.numel, self.value_dtype)
+        return pairs_nbytes(self.host[0], self.numel, self.value_dtype)
 
 
 Collective = AllReduce | AllGather | AllToAll | SparseSum
@@ -120,18 +135,31 @@ def nbytes(op: Collective) -> int:
     return op.tensor.numel() * op.tensor.element_size()
 
 
-def wire_dtype(values: torch.Tensor) -> ValueDType:
-    """The frame value dtype of a tensor of values: fp16 for float16, fp32 otherwise."""
-    return ValueDType.FP16 if values.dtype == torch.float16 else ValueDType.FP32
+TORCH_VALUES = {ValueDType.FP32: torch.float32, ValueDType.FP16: torch.float16}
+"""The torch dtype of each frame value dtype."""
 
 
-def sorted_pairs(numel: int, indices: torch.Tensor, values: torch.Tensor,
-                 where: str) -> tuple[np.ndarray, np.ndarray]:
+def wire_dtype(values: torch.Tensor | np.ndarray) -> ValueDType:
+    """The frame value dtype of values (a tensor or an array): fp16 for float16, fp32
+    otherwise."""
+    half = values.dtype == (torch.float16 if isinstance(values, torch.Tensor) else np.float16)
+    return ValueDType.FP16 if half else ValueDType.FP32
+
+
+def sorted_pairs(numel: int, indices: torch.Tensor | np.ndarray,
+                 values: torch.Tensor | np.ndarray, where: str) -> tuple[np.ndarray, np.ndarray]:
     """Host copies of (index, value) pairs in increasing index order, as frames hold them,
-    values in their wire dtype (:func:`wire_dtype`). Raises :class:`ValueError` naming
+    values in their wire dtype (:func:`wire_dtype`). Tensors on a device are copied to the
+    host once (:func:`~hvd_compress.comm.staging.pairs_to_host`); arrays (such as
+    :attr:`SparseSum.host`) are used as they are. Raises :class:`ValueError` naming
     ``where`` for mismatched lengths, indices out of ``[0, numel)`` or repeated."""
-    idx = indices.detach().reshape(-1).cpu().to(torch.int64).numpy()
-    val = values.detach().reshape(-1).cpu().numpy().astype(wire_dtype(values).numpy)
+    dtype = wire_dtype(values)
+    if isinstance(indices, torch.Tensor) or isinstance(values, torch.Tensor):
+        idx, val = pairs_to_host(torch.as_tensor(indices), torch.as_tensor(values),
+                                 TORCH_VALUES[dtype])
+    else:
+        idx = np.asarray(indices).reshape(-1).astype(np.int64, copy=False)
+        val = np.asarray(values).reshape(-1).astype(dtype.numpy, copy=False)
     if idx.size != val.size:
         raise ValueError(f"{where}: {idx.size} indices but {val.size} values")
     order = np.argsort(idx, kind="stable")
@@ -143,7 +171,26 @@ def sorted_pairs(numel: int, indices: torch.Tensor, values: torch.Tensor,
     return idx, val
 
 
-def sum_pairs(numel: int, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """The dense float32 sum of (index, value) pairs; repeated indices add up."""
-    total = torch.zeros(numel, dtype=torch.float32, device=values.device)
-    return total.index_add_(0, indices.to(torch.long), values.to(torch.float32))
+def sum_pairs(numel: int, parts: Sequence[tuple[torch.Tensor, torch.Tensor]],
+              device: torch.device) -> torch.Tensor:
+    """The dense float32 sum, on ``device``, of several ranks' (index, value) pairs, each
+    part's indices unique (one part per rank, in rank order).
+
+    Deterministic on every device and at any number of parts: entry ``i`` is
+    ``((0 + v_0i) + v_1i) + ...`` over the parts that hold ``i``, in the order given, each
+    addition rounded to float32. Each part is added by its own ``index_add_``; within one,
+    no two additions meet at an entry, so the atomic adds of CUDA's ``index_add_`` (whose
+    order is unspecified when indices repeat) each add one value to an entry and the
+    result does not depend on their timing. Adding every part's pairs at once, as one
+    concatenation, would leave the order of the additions at a shared index to the device
+    on a GPU.
+
+    The result is a fresh tensor (on the CPU over recycled memory,
+    :func:`hvd_compress.native.buffers.empty`, which spares the page faults of a fresh
+    mapping of the dense size).
+    """
+    total = buffers.empty(numel, torch.float32, device).zero_()
+    for indices, values in parts:
+        total.index_add_(0, indices.to(device=device, dtype=torch.long),
+                         values.to(device=device, dtype=torch.float32))
+    return total

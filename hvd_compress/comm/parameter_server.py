@@ -22,6 +22,7 @@ from hvd_compress.comm.ps_client import (
     PSClient,
     parse_addresses,
 )
+from hvd_compress.comm.staging import pairs_to_device
 
 CA_ENV = "HVD_COMPRESS_PS_CA"
 """Path of the PEM certificate to trust for ``grpcs://`` servers."""
@@ -130,12 +131,15 @@ class ParameterServerCommunicator:
             return self.dense.start(name, op)
         round = self._rounds[name]
         self._rounds[name] += 1
+        # The pairs' host copy (made once: the byte count has it too).
         return _ServerRound(op, self.client.start(f"{self.session}/{name}", round, op.numel,
-                                                  op.indices, op.values))
+                                                  *op.host))
 
     def wait(self, handle: Any) -> torch.Tensor | list[torch.Tensor]:
         if not isinstance(handle, _ServerRound):
             return self.dense.wait(handle)
         indices, values = self.client.finish(handle.pending)
         device = handle.op.values.device
-        return sum_pairs(handle.op.numel, indices.to(device), values.to(device))
+        # One part: the servers' aggregate, already summed in worker order.
+        parts = pairs_to_device([(indices.numpy(), values.numpy())], device)
+        return sum_pairs(handle.op.numel, parts, device)

@@ -237,17 +237,21 @@ class _ShardedClient(ABC):
         self.worker = worker
         self.dtype = None if value_dtype is None else ValueDType.parse(value_dtype)
 
-    def push_pull(self, tensor_id: str, round: int, numel: int, indices: torch.Tensor,
-                  values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def push_pull(self, tensor_id: str, round: int, numel: int,
+                  indices: torch.Tensor | np.ndarray, values: torch.Tensor | np.ndarray
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """Push this worker's pairs for ``round`` and return the aggregate's pairs.
 
-        ``indices`` are flat positions in ``[0, numel)``, unique, in any order. Returns
-        int64 indices (increasing) and float32 values, on the CPU.
+        ``indices`` are flat positions in ``[0, numel)``, unique, in any order; tensors on
+        any device or host arrays (a device's pairs are copied to the host once, through a
+        reused pinned buffer: :func:`~hvd_compress.comm.ops.sorted_pairs`). Returns int64
+        indices (increasing) and float32 values, on the CPU.
         """
         return self.finish(self.start(tensor_id, round, numel, indices, values))
 
-    def start(self, tensor_id: str, round: int, numel: int, indices: torch.Tensor,
-              values: torch.Tensor) -> PendingRound:
+    def start(self, tensor_id: str, round: int, numel: int,
+              indices: torch.Tensor | np.ndarray, values: torch.Tensor | np.ndarray
+              ) -> PendingRound:
         """Send this worker's pushes for ``round`` to every shard; :meth:`finish` pulls.
 
         Pushes never wait for other workers, so a worker may start any number of tensors

@@ -103,9 +103,8 @@ def _combine(requests: list[Collective]) -> dict[int, torch.Tensor | list[torch.
             return {r: [torch.cat(pieces)] for r in range(size)}  # a new tensor per rank
         return {r: [p.clone() for p in pieces] for r in range(size)}
     if isinstance(first, SparseSum):
-        indices = torch.cat([op.indices.reshape(-1) for op in requests])
-        values = torch.cat([op.values.reshape(-1) for op in requests])
-        total = sum_pairs(first.numel, indices, values)
+        total = sum_pairs(first.numel, [(op.indices.reshape(-1), op.values.reshape(-1))
+                                        for op in requests], first.values.device)
         return {r: total.clone() for r in range(size)}
     assert isinstance(first, AllToAll)
     sent = [torch.split(op.tensor.reshape(-1), list(op.splits)) for op in requests]
