@@ -93,9 +93,9 @@ def test_optimizer_refuses_unknown_collectives_at_construction() -> None:
     from hvd_compress.torch import DistributedOptimizer
 
     model = torch.nn.Linear(3, 2)
-    with pytest.raises(ValueError, match=r"collectives must be one of \('horovod', 'gloo'\), "
-                                         r"got 'nccl'"):
-        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), collectives="nccl")
+    with pytest.raises(ValueError, match=r"collectives must be one of \('horovod', 'gloo', "
+                                         r"'nccl'\), got 'mpi'"):
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), collectives="mpi")
 
 
 @pytest.mark.multiprocess

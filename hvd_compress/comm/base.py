@@ -9,6 +9,13 @@ import torch
 from hvd_compress.comm.ops import Collective
 from hvd_compress.ps_protocol import poll_until  # noqa: F401 (defined there, torch-free)
 
+SUM_AS: dict[torch.dtype, torch.dtype] = {torch.bfloat16: torch.float32}
+"""Dtypes summed in a wider dtype that holds every sum exactly, then rounded back once (the
+same on every rank): Horovod 0.28.1 cannot sum bfloat16, and every communicator sums it
+this way so that the result does not depend on which one carried it."""
+MOVE_AS: dict[torch.dtype, torch.dtype] = {torch.bfloat16: torch.int16}
+"""Dtypes Horovod cannot move, and the same-sized dtype whose bits stand in for them."""
+
 
 class Communicator(Protocol):
     """Asynchronous collectives among ``size`` ranks, matched across ranks by name.

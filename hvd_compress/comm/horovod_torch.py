@@ -17,14 +17,12 @@ from typing import Any
 import horovod.torch as hvd
 import torch
 
-from hvd_compress.comm.base import poll_until, split_gathered
+# SUM_AS and MOVE_AS live beside the protocol, so communicators without Horovod share them.
+from hvd_compress.comm.base import MOVE_AS, SUM_AS, poll_until, split_gathered
 from hvd_compress.comm.ops import AllGather, AllReduce, AllToAll, Collective, SparseSum
 from hvd_compress.comm.sparse_frames import encode_sparse_frame, sum_frames
 
-SUM_AS: dict[torch.dtype, torch.dtype] = {torch.bfloat16: torch.float32}
-"""Dtypes Horovod cannot sum, and the dtype each is summed in."""
-MOVE_AS: dict[torch.dtype, torch.dtype] = {torch.bfloat16: torch.int16}
-"""Dtypes Horovod cannot move, and the same-sized dtype whose bits stand in for them."""
+__all__ = ["MOVE_AS", "SUM_AS", "HorovodTorchCommunicator", "as_movable"]
 
 
 def as_movable(tensor: torch.Tensor) -> torch.Tensor:

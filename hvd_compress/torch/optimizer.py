@@ -19,10 +19,10 @@ from hvd_compress.binding import (
     resolve_ps,
 )
 from hvd_compress.comm.base import Communicator
-from hvd_compress.comm.gloo_torch import GlooCommunicator, horovod_gloo_group
 from hvd_compress.comm.horovod_torch import HorovodTorchCommunicator
 from hvd_compress.comm.parameter_server import ParameterServerCommunicator, connect
 from hvd_compress.comm.ps_client import check_timeout
+from hvd_compress.comm.torch_dist import TorchDistCommunicator, check_nccl, horovod_group
 from hvd_compress.pipeline import DEFAULT_REPORT_EVERY, Pipeline
 from hvd_compress.policy import Policy
 from hvd_compress.schemes.base import Scheme
@@ -30,7 +30,7 @@ from hvd_compress.stats import CompressionStats, StatsLogger
 from hvd_compress.torch.broadcast import any_dtype_broadcasts
 
 STATE_KEY = "hvd_compress"
-COLLECTIVES = ("horovod", "gloo")
+COLLECTIVES = ("horovod", "gloo", "nccl")
 """What can carry the dense rounds (``collectives=`` of :func:`DistributedOptimizer`)."""
 
 
@@ -71,8 +71,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.sparse_as_dense = sparse_as_dense
         horovod = HorovodTorchCommunicator(process_set)
         comm: Communicator = horovod
-        if collectives == "gloo":
-            comm = GlooCommunicator(horovod_gloo_group(hvd), horovod)
+        if collectives != "horovod":  # a torch.distributed group of that backend
+            comm = TorchDistCommunicator(horovod_group(hvd, collectives), horovod)
         if ps:
             session = hvd.broadcast_object(os.urandom(4).hex(), root_rank=0,
                                            process_set=horovod.process_set)
@@ -221,7 +221,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         compression_state = state_dict.pop(STATE_KEY, None)
         super(self.__class__, self).load_state_dict(state_dict)
         if compression_state is not None:
-            self._pipeline.load_state_dict(compression_state)
+            devices = {name: p.device for p, name in self._parameter_names.items()}
+            self._pipeline.load_state_dict(_on_devices(compression_state, devices))
         for p in self._delay:
             self._delay[p] = self.backward_passes_per_step
         self._synchronized = False
@@ -239,6 +240,23 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._submitted.clear()
             for p in self._delay:
                 self._delay[p] = self.backward_passes_per_step
+
+
+def _on_devices(state: dict[str, Any], devices: dict[str, torch.device]) -> dict[str, Any]:
+    """The pipeline's state with each tensor's residual and scheme state on the device of
+    the parameter of that name, as torch's optimizers move their own state on loading (a
+    checkpoint loaded with ``map_location="cpu"`` for a model on a GPU, say)."""
+    def moved(name: str, value: Any) -> Any:
+        device = devices.get(name)
+        return value.to(device) if isinstance(value, torch.Tensor) and device else value
+
+    state = dict(state)
+    if isinstance(state.get("residuals"), dict):
+        state["residuals"] = {n: moved(n, r) for n, r in state["residuals"].items()}
+    if isinstance(state.get("scheme_state"), dict):
+        state["scheme_state"] = {n: {k: moved(n, v) for k, v in st.items()}
+                                 for n, st in state["scheme_state"].items()}
+    return state
 
 
 def DistributedOptimizer(
@@ -319,8 +337,13 @@ def DistributedOptimizer(
             rank must run the same parameters' backward (unused parameters are sent as
             zeros at ``step()``); buckets start in plan order. Sparse pairs still go
             through Horovod ``allgather`` or the parameter server. Needs the global
-            process set; tested here on CPU tensors only. For dense schemes Horovod's loop
-            then only idles: ``HOROVOD_CYCLE_TIME=100`` spares its cycles (README).
+            process set. For dense schemes Horovod's loop then only idles:
+            ``HOROVOD_CYCLE_TIME=100`` spares its cycles (README). ``"nccl"``: the same on
+            a ``torch.distributed`` NCCL group, for a model on the GPU, as DDP's hooks run
+            on GPUs (:mod:`hvd_compress.comm.torch_dist`); refused here, with what to
+            change, unless this torch has NCCL, CUDA is available and every parameter is
+            on the current CUDA device (``torch.cuda.set_device(hvd.local_rank())`` then
+            ``model.cuda()``).
 
     Horovod's explicit ``groups``/``num_groups`` are not supported (Horovod's tensor fusion
     still batches small all-reduces), nor is ``op=hvd.Adasum``: both raise ``ValueError``.
@@ -335,10 +358,12 @@ def DistributedOptimizer(
         raise ValueError(f"bucket_mb must be >= 0 or None, got {bucket_mb}")
     if collectives not in COLLECTIVES:
         raise ValueError(f"collectives must be one of {COLLECTIVES}, got {collectives!r}")
-    if collectives == "gloo" and process_set is not None \
+    if collectives != "horovod" and process_set is not None \
             and process_set.process_set_id != hvd.global_process_set.process_set_id:
-        raise ValueError("collectives='gloo' runs over Horovod's global ranks; pass "
-                         "process_set=None or use collectives='horovod'")
+        raise ValueError(f"collectives={collectives!r} runs over Horovod's global ranks; "
+                         "pass process_set=None or use collectives='horovod'")
+    if collectives == "nccl":
+        check_nccl(p.device for group in optimizer.param_groups for p in group["params"])
     check_timeout(connect_timeout, "connect_timeout")
     ps = resolve_ps(ps)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
