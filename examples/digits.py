@@ -17,10 +17,12 @@ or as extra ranks of one MPMD launch, over MPI::
         --scheme topk:ratio=0.01 \
         --ps mpi : -np 1 python -m ps_server --transport mpi --workers 2
 
-Rank 0 prints per-epoch loss, test accuracy and the bytes its
-gradients took per step against float32. ``--compare`` first trains uncompressed with the
-same seed and epochs, so the two accuracies and byte counts stand side by side. With DGC,
-which applies momentum itself, the SGD optimizer runs without momentum.
+Each rank trains on its own GPU (``hvd.local_rank()``'s) when CUDA is available, else on
+the CPU; ``--device cpu`` or ``--device cuda`` chooses. Rank 0 prints per-epoch loss, test
+accuracy and the bytes its gradients took per step against float32. ``--compare`` first
+trains uncompressed with the same seed and epochs, so the two accuracies and byte counts
+stand side by side. With DGC, which applies momentum itself, the SGD optimizer runs without
+momentum.
 """
 
 from __future__ import annotations
@@ -75,21 +77,37 @@ def make_model() -> nn.Module:
                          nn.Linear(128, 10))
 
 
+def pick_device(choice: str = "auto") -> torch.device:
+    """This rank's device: its GPU, ``hvd.local_rank()``'s (made the current CUDA device),
+    for ``"cuda"``, or for ``"auto"`` when CUDA is available; otherwise the CPU. Raises
+    ``SystemExit`` for ``"cuda"`` without CUDA."""
+    if choice not in ("auto", "cpu", "cuda"):
+        raise SystemExit(f"--device must be auto, cpu or cuda, got {choice!r}")
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch.cuda.is_available() is False here; use "
+                         "--device cpu")
+    torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def train(scheme: str = "none", epochs: int = 20, batch_size: int = 32, lr: float = 0.25,
           momentum: float = 0.5, seed: int = 0, verbose: bool = False,
           min_numel: int = 1024, ps: str | None = None,
-          tensorboard: str | None = None) -> Result:
-    """Train on this rank's shard; every rank returns the same test accuracy. ``ps`` is the
+          tensorboard: str | None = None, device: torch.device | str = "cpu") -> Result:
+    """Train on this rank's shard, on ``device`` (:func:`pick_device`); every rank returns
+    the same test accuracy. ``ps`` is the
     optimizer's ``ps=`` (parameter servers for the sparse schemes). ``verbose``: rank 0
     prints a line per epoch and the run's compression summary. ``tensorboard``: a directory
     where rank 0 logs the compression figures of every 10th step (``<dir>/<scheme>``, with
     ``:`` and ``,`` as ``_``)."""
     torch.manual_seed(seed)
-    x_train, y_train, x_test, y_test = load_split(seed)
+    x_train, y_train, x_test, y_test = (t.to(device) for t in load_split(seed))
     rank, size = hvd.rank(), hvd.size()
     x_shard, y_shard = x_train[rank::size], y_train[rank::size]
 
-    model = make_model()
+    model = make_model().to(device)
     compression = Compression.parse(scheme)
     optimizer = DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=lr,
@@ -108,10 +126,10 @@ def train(scheme: str = "none", epochs: int = 20, batch_size: int = 32, lr: floa
     order = torch.Generator().manual_seed(seed + rank)
     steps = len(x_shard) // batch_size
     start = time.perf_counter()
-    loss = torch.tensor(0.0)
+    loss = torch.tensor(0.0, device=device)
     for epoch in range(epochs):
         model.train()
-        perm = torch.randperm(len(x_shard), generator=order)
+        perm = torch.randperm(len(x_shard), generator=order).to(device)
         for step in range(steps):
             idx = perm[step * batch_size:(step + 1) * batch_size]
             optimizer.zero_grad()
@@ -157,6 +175,9 @@ def main() -> None:
     parser.add_argument("--ps", default=None,
                         help="parameter servers for top-k/DGC: grpc://HOST:PORT[,HOST:PORT] "
                              "or mpi (default: $HVD_COMPRESS_PS; none: Horovod allgather)")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                        help="where each rank trains: auto (default) is its own GPU, "
+                             "hvd.local_rank()'s, when CUDA is available, else the CPU")
     parser.add_argument("--json", help="write the results to this file (rank 0)")
     parser.add_argument("--tensorboard", metavar="DIR",
                         help="log rank 0's compression figures every 10 steps to DIR/<scheme> "
@@ -165,9 +186,10 @@ def main() -> None:
 
     init(ps=args.ps)
     torch.set_num_threads(1)
+    device = pick_device(args.device)
     schemes = (["none"] if args.compare else []) + [args.scheme]
     results = [train(s, args.epochs, lr=args.lr, momentum=args.momentum, seed=args.seed,
-                     verbose=True, ps=args.ps, tensorboard=args.tensorboard)
+                     verbose=True, ps=args.ps, tensorboard=args.tensorboard, device=device)
                for s in schemes]
     if hvd.rank() == 0:
         print(f"\n{'scheme':<28} {'test acc':>9} {'bytes/step':>12} {'fp32 bytes':>12} "

@@ -68,30 +68,26 @@ class MajorityVote(PackedScheme):
         return wire.bits_nbytes(numel) + 1
 
     def encode(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        flag = torch.zeros(1, dtype=torch.uint8, device=x.device)
-        if x.numel() and not bool(x.isfinite().all()):
-            flag[0] = 1
+        # The flag is computed on the tensor's device: no host synchronisation.
+        flag = x.isfinite().logical_not_().any().to(torch.uint8).reshape(1)
         return torch.cat([wire.pack_bits(x >= 0), flag])
 
-    def _flagged(self, payload: torch.Tensor, numel: int) -> bool:
-        return bool(wire.split_sections(payload, [wire.bits_nbytes(numel), 1],
-                                        "vote payload")[1][0])
-
     def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
+        """``+1``/``-1`` per element; every element NaN when the payload's flag is set."""
         bits, flag = wire.split_sections(payload, [wire.bits_nbytes(numel), 1], "vote payload")
-        if bool(flag[0]):
-            return torch.full((numel,), float("nan"), device=payload.device)
-        return wire.unpack_bits(bits, numel).to(torch.float32).mul_(2).sub_(1)
+        # 2 b - 1, or 2 b - NaN for a flagged payload: one pass, no host synchronisation.
+        offset = torch.where(flag.bool(), float("nan"), 1.0)
+        return wire.unpack_bits(bits, numel).to(torch.float32).mul_(2).sub_(offset)
 
     def reduce(self, payloads: Sequence[torch.Tensor], numel: int) -> torch.Tensor:
         """The vote on this chunk: ``sign(sum of signs)``, ties ``+1``; NaN if any rank
-        flagged a non-finite input (re-encoding then sets the flag again)."""
+        flagged a non-finite input (its payload decodes to NaN, so the count is NaN and
+        re-encoding sets the flag again)."""
         if not numel:
             return torch.zeros(0, dtype=torch.float32, device=payloads[0].device)
-        if any(self._flagged(p, numel) for p in payloads):
-            return torch.full((numel,), float("nan"), device=payloads[0].device)
         count = super().reduce(payloads, numel)  # an integer count in float32, exact
-        return torch.where(count >= 0, 1.0, -1.0)
+        # clamp keeps NaN (and makes every other count 1): -1 below zero, else +1 or NaN.
+        return torch.where(count < 0, -1.0, count.clamp(1.0, 1.0))
 
     def expand(self, aggregate: torch.Tensor, size: int) -> torch.Tensor:
         return aggregate.mul_(size)
