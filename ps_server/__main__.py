@@ -181,7 +181,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"{option} {path}: {problem}")
     if args.token_file is not None and not args.token_file.read_bytes().strip():
         p.error(f"--token-file {args.token_file} is empty")
+    for option, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
+        if path is not None and (problem := _not_pem(path.read_bytes())):
+            p.error(f"{option} {path}: {problem}")
     return args
+
+
+def _not_pem(data: bytes) -> str | None:
+    """Why ``data`` cannot be a PEM certificate or key (gRPC would only fail later, on the
+    first handshake), or ``None``."""
+    if not data.strip():
+        return "is empty"
+    if b"-----BEGIN " not in data:
+        return "is not PEM (no '-----BEGIN ...' line)"
+    return None
 
 
 def _unreadable(path: Path) -> str | None:

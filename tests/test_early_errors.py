@@ -201,6 +201,22 @@ def test_server_token_file_problems_exit_2_without_traceback(tmp_path: Path) -> 
             done.stderr
 
 
+@pytest.mark.parametrize("which", ["--tls-cert", "--tls-key"])
+def test_server_refuses_empty_or_non_pem_tls_files(which: str, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    pem = tmp_path / "good.pem"
+    pem.write_text("-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n")
+    for content, problem in (("", "is empty"), ("\n \n", "is empty"),
+                             ("not a certificate", "is not PEM")):
+        bad = tmp_path / "bad.pem"
+        bad.write_text(content)
+        files = {"--tls-cert": pem, "--tls-key": pem, which: bad}
+        with pytest.raises(SystemExit) as exit_:
+            parse_args(["--workers", "2", *(f"{k}={v}" for k, v in files.items())])
+        assert exit_.value.code == 2
+        assert f"error: {which} {bad}: {problem}" in capsys.readouterr().err
+
+
 UNREACHED = """
 import socket, time
 import horovod.torch as hvd, torch
