@@ -105,8 +105,10 @@ def recommended(task: str, steps: int) -> list[Config]:
             Config(task, "fp16", "fp16", opt),
             Config(task, "bf16", "bf16", opt),
             Config(task, "powersgd", powersgd, scaled, warmup_steps=start),
-            # One round and one side per step (PowerSGD's alternate=True).
-            Config(task, "powersgd-alternate", f"{powersgd},alternate=True", scaled,
+            # One round and one side per step (PowerSGD's alternate=True), at twice the
+            # rank: the same bytes per step as the row above, in one round instead of two.
+            Config(task, "powersgd-alternate",
+                   f"powersgd:rank=32,start_iter={start},alternate=True", scaled,
                    warmup_steps=start),
             # 1-bit: its dense warm-up (start_iter, 10% of the steps, as PowerSGD's) lets
             # Adam's second moment start from exact gradients. With it, by bucket size and
@@ -164,8 +166,8 @@ def recommended(task: str, steps: int) -> list[Config]:
             Config(task, "fp16", "fp16", opt),
             Config(task, "bf16", "bf16", opt),
             Config(task, "powersgd", powersgd, opt, warmup_steps=10),
-            Config(task, "powersgd-alternate", f"{powersgd},alternate=True", opt,
-                   warmup_steps=10),
+            Config(task, "powersgd-alternate", "powersgd:rank=8,start_iter=10,alternate=True",
+                   opt, warmup_steps=10),
             Config(task, "onebit", "onebit", lighter),
             Config(task, "qsgd", "qsgd", opt),
             Config(task, "terngrad", "terngrad", opt),
