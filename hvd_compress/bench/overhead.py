@@ -12,7 +12,8 @@ multi-host run mixes it with waiting on the network. Here one process, a world o
 - ``hook``: the same DDP with ``powerSGD_hook`` (error feedback, warm start);
 - ``ours``: :func:`hvd_compress.torch.DistributedOptimizer` with PowerSGD at the same rank
   and start, on Horovod started in this process;
-- ``alternate``: the same with ``alternate=True`` (one round, one side per step).
+- ``alternate``: the same with ``alternate=True`` at twice the rank (one round and one
+  side per step: the same bytes per step as ``ours``).
 
 Each is timed for ``steps`` steps after ``warmup`` (past PowerSGD's start), ``repeats``
 times in turn so a slow spell of the machine falls on all alike. Per step: the median
@@ -76,8 +77,9 @@ def _wrap(system: str, model: nn.Module, rank: int, start: int
     import hvd_compress.torch as hvdc
     from hvd_compress import Compression
 
-    scheme = Compression.powersgd(rank=rank, start_iter=start,
-                                  alternate=system == "alternate")
+    alternate = system == "alternate"
+    scheme = Compression.powersgd(rank=2 * rank if alternate else rank, start_iter=start,
+                                  alternate=alternate)
     return model, hvdc.DistributedOptimizer(optimizer, compression=scheme,
                                             named_parameters=model.named_parameters())
 
