@@ -479,3 +479,16 @@ def test_cluster_bench_repeats_take_turns_and_pool_their_steps(
     assert all("95% interval" in line and "8 and 8 steps" in line for line in spread)
     assert "Steps slower than p90, mean excess of each phase over its median:" in printed.out
     assert leftover_network_objects() == []
+
+
+def test_cluster_targets_compare_the_hook_with_our_powersgd_at_its_bytes() -> None:
+    """The hook's target applies to our PowerSGD at its rank and start, and to
+    ``alternate=True`` at twice the rank (the same bytes per step), nothing else."""
+    from hvd_compress.bench.cluster import sends_as_hook
+
+    hook = "powersgd:rank=4,start_iter=2"
+    assert sends_as_hook(hook, hook)
+    assert sends_as_hook("powersgd:rank=8,start_iter=2,alternate=True", hook)
+    assert not sends_as_hook("powersgd:rank=4,start_iter=2,alternate=True", hook)
+    assert not sends_as_hook("powersgd:rank=4,start_iter=10", hook)
+    assert not sends_as_hook("onebit", hook)

@@ -675,6 +675,22 @@ def _step(rows: Sequence[Row], model: str, link: str, system: str, scheme: str
                  and r["system"] == system and r["scheme"] == scheme), None)
 
 
+def sends_as_hook(spec: str, hook: str) -> bool:
+    """Whether our scheme ``spec`` is PowerSGD sending the bytes per step of the hook's
+    ``hook`` (a ``powersgd:...`` spec): the same rank and start, or ``alternate=True`` at
+    twice the rank."""
+    from hvd_compress import Compression
+    from hvd_compress.schemes.powersgd import PowerSGD
+
+    if not spec.startswith("powersgd"):
+        return False
+    ours, theirs = Compression.parse(spec), Compression.parse(hook)
+    assert isinstance(ours, PowerSGD) and isinstance(theirs, PowerSGD)
+    rank = 2 * theirs.rank if ours.alternate else theirs.rank
+    return (ours.rank, ours.start_iter, ours.warm_start) == (rank, theirs.start_iter,
+                                                             theirs.warm_start)
+
+
 def _hook_targets(rows: Sequence[Row], model: str, link: str) -> list[str]:
     """Per launcher of ours: PowerSGD, on the faster of its routes (Horovod's collectives or
     ``@gloo``), at most :data:`HOOK_RATIO` of DDP's hook; 1-bit and top-k no slower than the
@@ -686,12 +702,12 @@ def _hook_targets(rows: Sequence[Row], model: str, link: str) -> list[str]:
         for system in dict.fromkeys(r["system"] for r in rows if is_ours(r)):
             mine = [r for r in rows if r["model"] == model and r["link"] == link
                     and r["system"] == system]
-            # Our PowerSGD at the hook's settings, and each variant of it (", alternate=
-            # True"), on the faster of its routes.
+            # Our PowerSGD at the hook's settings, and alternate=True at twice the rank
+            # (the same bytes per step), each on the faster of its routes.
             variants: dict[str, list[Row]] = {}
             for r in mine:
                 spec = split_spec(r["scheme"])[0]
-                if spec == hook["scheme"] or spec.startswith(hook["scheme"] + ","):
+                if sends_as_hook(spec, hook["scheme"]):
                     variants.setdefault(spec, []).append(r)
             for routes in variants.values():
                 best = min(routes, key=lambda r: r["step_s"])
