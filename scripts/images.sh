@@ -9,7 +9,13 @@
 #             against a server running inside the server image. CPU torch and TensorFlow
 #             wheels found in $HVD_IMAGES_WHEEL_DIRS (default: /opt/wheels and
 #             $HVD_COMPRESS_CACHE/wheels) are build inputs too; others come from PyPI
-#     gpu     docker/Dockerfile.gpu (needs a registry with CUDA base images)
+#     gpu     docker/Dockerfile.gpu -> hvd-compress/gpu:VERSION (workers on NVIDIA GPUs: torch's
+#             CUDA build, CUDA and NCCL from NVIDIA's pip wheels, Horovod compiled with NCCL
+#             in the image; no CUDA base image or GPU needed to build), then checks that
+#             `horovodrun --check-build` lists NCCL, horovod.torch.nccl_built(), the
+#             installed distributions (torch a CUDA build, NCCL, no TensorFlow), and runs
+#             the same 2-rank digits run as for cpu, on the CPU, inside it. Layer-cached:
+#             with scripts/install.sh unchanged, a rebuild reinstalls only hvd-compress
 # The base image is $BASE if set, else debian:bookworm-slim from a registry, else (no
 # registry reachable, or HVD_IMAGES_LOCAL_BASE=1) a Debian bookworm root made locally with
 # mmdebstrap and imported as localhost/debian:bookworm-local (cached in
@@ -72,9 +78,14 @@ build() {  # build NAME DOCKERFILE [podman build options...]
   [ -s "$CA" ] && secret=(--secret "id=ca_bundle,src=$CA")
   log "building hvd-compress/$name:$VERSION from $file on $BASE_IMAGE"
   local start=$SECONDS
-  podman build -q --format docker --isolation chroot "${secret[@]}" \
+  local out; out="$(mktemp -t "hvdc-image-$name.XXXXXX.log")"
+  if ! podman build --format docker --isolation chroot "${secret[@]}" \
     --build-arg "BASE=$BASE_IMAGE" -f "$file" -t "localhost/hvd-compress/$name:$VERSION" \
-    "$@" . >/dev/null
+    "$@" . >"$out" 2>&1; then
+    tail -n 60 "$out" >&2; echo "images.sh: building $name failed (the whole log: $out)" >&2
+    exit 1
+  fi
+  rm -f "$out"
   log "built hvd-compress/$name:$VERSION in $((SECONDS - start)) s, $(podman image inspect \
     --format '{{.Size}}' "localhost/hvd-compress/$name:$VERSION" | numfmt --to=si)B"
 }
@@ -153,9 +164,9 @@ stage_wheels() {  # the Horovod wheel (and a CPU torch wheel, if cached) as buil
   log "build inputs: $(cd docker/wheels && echo *.whl)"
 }
 
-test_cpu() {
+test_workers() {  # test_workers NAME: check-build and 2-rank digits in a workers' image
   local c port
-  c="$(buildah from -q "localhost/hvd-compress/cpu:$VERSION")"
+  c="$(buildah from -q "localhost/hvd-compress/$1:$VERSION")"
   CONTAINERS+=("$c")
   # Horovod's Gloo resolves the host name: without one in /etc/hosts, hvd.init() crashes.
   buildah run --isolation chroot --hostname localhost --env TF_CPP_MIN_LOG_LEVEL=3 "$c" -- \
@@ -169,6 +180,24 @@ test_cpu() {
   stop_server
 }
 
+test_gpu() {  # what the GPU image holds, then the workers' smoke test on the CPU
+  local c
+  c="$(buildah from -q "localhost/hvd-compress/gpu:$VERSION")"
+  CONTAINERS+=("$c")
+  buildah run --isolation chroot --hostname localhost "$c" -- python -c '
+import importlib.metadata as m, sys
+import torch, horovod.torch as hvd, hvd_compress
+names = {d.metadata["Name"].lower(): d.version for d in m.distributions()}
+tf = ", ".join(sorted(n for n in names if n.startswith(("tensorflow", "tf-")))) or "none"
+nccl = ", ".join(sorted(n + " " + v for n, v in names.items() if n.startswith("nvidia-nccl")))
+ours = names.get("hvd-compress")
+print(f"[images] in the GPU image: torch {torch.__version__} (CUDA {torch.version.cuda}), "
+      f"nccl_built: {bool(hvd.nccl_built())} ({hvd.nccl_built()}), {nccl or None}, "
+      f"TensorFlow: {tf}, hvd-compress {ours}")
+sys.exit(not (torch.version.cuda and hvd.nccl_built() and nccl and tf == "none"))'
+  test_workers gpu
+}
+
 PY="$ROOT/.venv/bin/python"
 [ -x "$PY" ] || PY=python3
 BASE_IMAGE="$(base_image)"
@@ -179,8 +208,12 @@ for target in "${TARGETS[@]}"; do
       podman image exists "localhost/hvd-compress/server:$VERSION" || build server docker/Dockerfile.server
       ((BUILD)) && stage_wheels
       build cpu docker/Dockerfile.cpu
-      ((TEST)) && test_cpu ;;
-    gpu) build gpu docker/Dockerfile.gpu ;;
+      ((TEST)) && test_workers cpu ;;
+    gpu)
+      podman image exists "localhost/hvd-compress/server:$VERSION" || build server docker/Dockerfile.server
+      ((BUILD)) && rm -rf docker/wheels  # the CPU image's build inputs, not this one's
+      build gpu docker/Dockerfile.gpu
+      ((TEST)) && test_gpu ;;
   esac
 done
 log "done"
