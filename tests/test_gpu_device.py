@@ -13,7 +13,6 @@ tolerance.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +24,7 @@ from hvd_compress.comm.staging import pairs_to_host, staging_buffer
 from hvd_compress.comm.threads import ThreadGroup
 from hvd_compress.schemes.base import ExchangeContext, PackedScheme
 from hvd_compress.schemes.dense import HalfPayload
+from tests.threaded import on_threads
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]
@@ -122,30 +122,20 @@ def _run(spec: str, device: str, ranks: int = 2, steps: int = 2,
     ThreadGroup; ``torch_code``: with the native kernels disabled (in every rank's
     thread: the switch is per thread)."""
     group = ThreadGroup(ranks, timeout=120)
-    out: list[dict[str, Any]] = [{} for _ in range(ranks)]
-    errors: list[BaseException] = []
 
-    def rank_main(rank: int) -> None:
-        try:
-            with native.disabled() if torch_code else _nothing():
-                pipe = Pipeline(Compression.parse(spec), group.communicator(rank),
-                                Policy(min_numel=1, compress_1d=True), bucket_bytes=8000)
-                for step in range(steps):
-                    grads = {n: g.to(device) for n, g in _inputs(step, rank).items()}
-                    out[rank][step] = pipe.reduce(grads)
-                out[rank]["state"] = {n: pipe.scheme_state(n) for n in SHAPES}
-                out[rank]["residual"] = {n: pipe.feedback.get(n) for n in SHAPES}
-        except BaseException as exc:  # re-raised below
-            errors.append(exc)
+    def rank_main(rank: int) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        with native.disabled() if torch_code else _nothing():
+            pipe = Pipeline(Compression.parse(spec), group.communicator(rank),
+                            Policy(min_numel=1, compress_1d=True), bucket_bytes=8000)
+            for step in range(steps):
+                grads = {n: g.to(device) for n, g in _inputs(step, rank).items()}
+                out[step] = pipe.reduce(grads)
+            out["state"] = {n: pipe.scheme_state(n) for n in SHAPES}
+            out["residual"] = {n: pipe.feedback.get(n) for n in SHAPES}
+        return out
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(ranks)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return out
+    return on_threads(ranks, rank_main)
 
 
 class _nothing:

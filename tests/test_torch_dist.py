@@ -13,7 +13,6 @@ import json
 import socket
 import sys
 import tempfile
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ import torch
 
 from hvd_compress.comm.threads import ThreadGroup
 from tests.harness import rank_env, run_command
+from tests.threaded import on_threads
 from tests.workers.torch_dist import exchange_all
 
 SPECS = ["none", "fp16", "bf16", "onebit:bucket_size=64", "qsgd:bucket_size=64",
@@ -56,23 +56,8 @@ def launch(backend: str, ranks: int, timeout: float = 400) -> list[Any]:
 def reference(ranks: int, device: str) -> list[Any]:
     """The same exchanges on a ThreadGroup in this process."""
     group = ThreadGroup(ranks, timeout=300)
-    results: list[Any] = [None] * ranks
-    errors: list[BaseException] = []
-
-    def run(rank: int) -> None:
-        try:
-            results[rank] = exchange_all(group.communicator(rank), SPECS, torch.device(device))
-        except BaseException as exc:  # reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(ranks)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return results
+    return on_threads(ranks, lambda rank: exchange_all(group.communicator(rank), SPECS,
+                                                       torch.device(device)))
 
 
 def check(got: list[Any], expected: list[Any]) -> None:
