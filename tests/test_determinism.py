@@ -4,7 +4,8 @@ A sparse sum is defined in rank order (:func:`hvd_compress.comm.ops.sum_pairs`):
 ``i`` is ``((0 + v_0) + v_1) + ...`` over the ranks that sent ``i``, each addition rounded to
 float32. The launches run 3 and 4 ranks (at 2 ranks ``a + b == b + a`` hides any order),
 with indices shared between ranks and values of very different magnitude, so a sum in any
-other order gives other bits (checked: the reverse order differs somewhere)."""
+other order gives other bits (checked: the reverse order differs somewhere). The same
+launches check every other scheme's aggregates for the same bits on every rank."""
 
 from __future__ import annotations
 
@@ -22,6 +23,11 @@ from tests.harness import run_ranks
 SPARSE_SPECS = ["topk:ratio=0.01", "topk:ratio=0.01,values=fp16", "threshold:tau=1.0",
                 "dgc:ratio=0.01,momentum=0.9"]
 """Every scheme whose pairs go through a sparse sum (all-gather route without a server)."""
+
+DENSE_SPECS = ["none", "fp16", "bf16", "onebit:bucket_size=64", "qsgd:bits=4", "terngrad",
+               "powersgd:rank=2,start_iter=0", "powersgd:rank=2,start_iter=0,alternate=True",
+               "randomk:ratio=0.1", "vote"]
+"""Every other scheme: all-reduce or compressed all-reduce routes."""
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -163,7 +169,15 @@ def _check_launch(ranks: list[dict]) -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("np_", [3, 4])
-def test_sparse_sums_are_bit_identical_on_every_rank(np_: int) -> None:
-    ranks = run_ranks("tests.workers.determinism:sparse_sums", np=np_, timeout=400,
-                      specs=SPARSE_SPECS)
+def test_replicas_are_bit_identical_on_every_rank(np_: int) -> None:
+    """Sparse sums as defined (above), and every other scheme's aggregates the same bits on
+    every rank."""
+    ranks = run_ranks("tests.workers.determinism:replicas", np=np_, timeout=400,
+                      sparse=SPARSE_SPECS, dense=DENSE_SPECS)
     _check_launch(ranks)
+    for spec in DENSE_SPECS:
+        for step, mine in enumerate(ranks[0][spec]):
+            for rank, result in enumerate(ranks[1:], 1):
+                for name, aggregate in mine.items():
+                    assert torch.equal(bits(result[spec][step][name]), bits(aggregate)), \
+                        f"{spec} step {step} tensor {name}: rank {rank} differs from rank 0"

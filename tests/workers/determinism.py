@@ -71,3 +71,14 @@ def sparse_sums(specs: list[str], steps: int = 2) -> dict[str, Any]:
                                 "values": sent[name][1]} for name in SHAPES})
         out[spec] = rows
     return out
+
+
+def replicas(sparse: list[str], dense: list[str], steps: int = 2) -> dict[str, Any]:
+    """:func:`sparse_sums` of ``sparse``, and for every scheme of ``dense`` (the all-reduce
+    and compressed all-reduce routes) the aggregates this rank received, per step."""
+    out = sparse_sums(sparse, steps)
+    for spec in dense:
+        pipeline = Pipeline(Compression.parse(spec), HorovodTorchCommunicator(),
+                            Policy(min_numel=1, compress_1d=True), average=False)
+        out[spec] = [pipeline.reduce(gradients(step, hvd.rank())) for step in range(steps)]
+    return out
