@@ -96,7 +96,7 @@ def test_the_command_line_rejects_an_unknown_task() -> None:
 
 def test_an_unknown_configuration_name_is_refused_with_the_known_ones() -> None:
     with pytest.raises(SystemExit, match="no configuration named topkk in lm; the names are "
-                       "none, fp16, bf16, powersgd, onebit"):
+                       "none, fp16, bf16, powersgd, powersgd-alternate, onebit"):
         cli.main(["converge", "--tasks", "lm", "--only", "topkk"])
     plan = converge.Plan.full(["digits"], only=["dgc"])
     assert [c.name for c in plan.configs] == ["none", "dgc"]
