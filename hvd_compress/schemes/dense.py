@@ -100,7 +100,7 @@ class FP16(ReadyMade, Scheme):
     On a GPU the float16 payloads go through Horovod's ring all-reduce (NCCL sums float16
     fast). On a CPU they go through the compressed all-reduce (:class:`HalfPayload`): Horovod
     sums float16 on a CPU element by element through float conversions, slower than it sends
-    float32 on a fast link (the README's cluster benchmark has the figures). Either way
+    float32 on a fast link (see docs/benchmarks.md). Either way
     float16 keeps 10 mantissa bits and overflows above 65504: on the ring a partial sum may
     overflow (``gradient_predivide_factor`` helps), on the CPU path only a chunk's final sum,
     which is summed in float32.

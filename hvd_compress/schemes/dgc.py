@@ -39,9 +39,7 @@ class DGC(Scheme):
     The aggregate already carries momentum: the wrapped optimizer must run **without**
     momentum (``torch.optim.SGD(..., momentum=0)``). ``hvd_compress.torch.DistributedOptimizer``
     refuses one with momentum at construction (:meth:`check_optimizer`), since both momenta
-    would compound: on digits (2 ranks, SGD lr 0.1, 600 steps) keeping SGD's momentum 0.9
-    drove the loss to 5e9, while SGD with ``momentum=0`` and DGC's default 0.9 reached 98.1%
-    test accuracy. Give the optimizer's momentum to DGC instead (``Compression.dgc(
+    would compound and diverge. Give the optimizer's momentum to DGC instead (``Compression.dgc(
     momentum=0.9)`` with ``SGD(params, lr, momentum=0)``): without compression that is the
     same update as momentum SGD, the momentum applied before sparsification.
 
@@ -50,9 +48,8 @@ class DGC(Scheme):
     exact top-``k`` is kept. ``values="fp16"`` sends the values as float16; their rounding
     error stays in ``v``.
     Sparsity warm-up: over the first ``warmup_steps`` exchanges the density falls
-    geometrically in four equal stages from 25% to ``ratio``; for ``ratio=0.001`` that is
-    25%, 6.3%, 1.6%, 0.4%, then 0.1%, within 2% of the paper's 75%, 93.75%, 98.4375%,
-    99.6%, 99.9% sparsity.
+    geometrically in four equal stages from 25% to ``ratio`` (the paper's schedule of
+    75% to 99.9% sparsity).
 
     Diagnostics: ``v`` is DGC's residual, so ``optimizer.compression_feedback`` reports
     ``||v_new||`` as the tensor's residual norm and ``||v_new|| / ||v||`` as its

@@ -32,29 +32,14 @@ class OneBit(PackedScheme):
     sign compression does not converge in general (Karimireddy et al. 2019).
 
     Every element moves by the bucket's scale every step, so heavy momentum amplifies the
-    quantisation noise. Measured on the digits example (2 ranks, SGD): with lr 0.25 and
-    momentum 0.5, 96.9% test accuracy against 96.4% uncompressed after 20 epochs; with lr
-    0.05 and momentum 0.9, 94.2% against 97.8% after 30 epochs (97.2% with
-    ``bucket_size=128``). Smaller buckets or lower momentum help; with momentum 0.9 and lr
-    0.1 (600 steps) it reached 61.7% against 98.6% uncompressed (98.1% with momentum 0.8),
-    so the optimizer wrapper warns for momentum of 0.9 or more (:meth:`check_optimizer`).
-
-    Under Adam's family the decoded gradient of every element of a bucket has the bucket's
-    magnitude, and error feedback hands each element its accumulated gradient in bursts;
-    Adam's second moment takes both as noise. On the converge benchmark's character
-    transformer (AdamW, 400 steps; ``python -m hvd_compress.bench converge``) no setting
-    without a warm-up came within 5% of uncompressed held-out loss; with ``start_iter`` at
-    10% of the steps and buckets of 128 or fewer elements every setting tried at 2x and 3x
-    the lr ended at most 1.0% above it (``bucket_size=32``: 0.2% above at 2x, 2.7% below at
-    3x; :data:`ADAM_BUCKET_SIZE`). A likely reason, consistent with these runs but not
-    measured apart: with ``beta2 = 0.999`` Adam's bias-corrected second moment is close to
-    the mean of the squared gradients of all the steps so far, and the exact early
-    gradients, typically the largest, keep it from following the compression's noise
-    afterwards (what 1-bit Adam gets by freezing it). A run much longer than
-    ``1 / (1 - beta2)`` steps forgets its warm-up: there compare against uncompressed, or use
-    :class:`~hvd_compress.torch.OneBitAdam`, which freezes the variance explicitly. The
-    optimizer wrapper warns under Adam's family for settings outside those measured to train
-    (:meth:`trains_under_adam`).
+    quantisation noise: the optimizer wrapper warns for momentum of 0.9 or more
+    (:meth:`check_optimizer`). Under Adam's family every element of a bucket decodes to the
+    bucket's magnitude and error feedback releases the residual in bursts, which Adam's
+    second moment takes as noise; a dense warm-up (``start_iter``) lets the second moment
+    start from exact gradients. Advice: under SGD keep momentum below 0.9 or shrink
+    ``bucket_size``; under Adam's family pass ``start_iter`` of about 10% of the steps and
+    ``bucket_size`` of at most :data:`ADAM_BUCKET_SIZE`, or use
+    :class:`~hvd_compress.torch.OneBitAdam`. See docs/schemes.md for the accuracy runs.
 
     The scale is summed in float64 and rounded to float32 once. CPU tensors are coded by
     :mod:`hvd_compress.native`, to the same bytes as the torch code here (which other
@@ -65,16 +50,16 @@ class OneBit(PackedScheme):
     ``ceil(n/bucket_size)`` float32 scales. With the default ``bucket_size=2048`` the payload
     is 32 / (1 + 32/2048) = 31.5x smaller than float32.
 
-    ``loco_beta``: the error-feedback memory (:meth:`~hvd_compress.schemes.base.Scheme.
-    loco_option`): 0 (default) keeps the plain residual; in ``(0, 1)``, LoCo's moving
-    average of the compression errors with this weight on the old residual. It is the
-    rank's residual (the input side of the compressed all-reduce) that is averaged; the
-    reducing rank's residual of its chunk stays the plain one.
-
-    ``start_iter``: the first ``start_iter`` exchanges of each tensor are plain float32
-    all-reduces that keep no residual (:mod:`hvd_compress.schemes.warmup`, as PowerSGD's
-    warm-up); 0 (default) compresses from the first step. Under Adam's family use about 10%
-    of the steps (see above).
+    Args:
+        bucket_size: elements per scale, a positive multiple of 8 (default 2048).
+        loco_beta: the error-feedback memory (:meth:`~hvd_compress.schemes.base.Scheme.
+            loco_option`): 0 (default) keeps the plain residual; in ``(0, 1)``, LoCo's
+            moving average of the compression errors with this weight on the old residual.
+            It is the rank's residual (the input side of the compressed all-reduce) that is
+            averaged; the reducing rank's residual of its chunk stays the plain one.
+        start_iter: the first ``start_iter`` exchanges of each tensor are plain float32
+            all-reduces that keep no residual (:mod:`hvd_compress.schemes.warmup`, as
+            PowerSGD's warm-up); 0 (default) compresses from the first step.
     """
 
     name = "onebit"
@@ -118,16 +103,14 @@ class OneBit(PackedScheme):
 
     def check_optimizer(self, optimizer: Any) -> None:
         """Warns for optimizer momentum of 0.9 or more (:func:`warn_heavy_momentum`) and for
-        Adam's family (:func:`warn_adaptive`) unless the settings are those measured to
-        train there (:meth:`trains_under_adam`)."""
+        Adam's family (:func:`warn_adaptive`) unless :meth:`trains_under_adam`."""
         warn_heavy_momentum(self, optimizer, ONEBIT_MEASURED)
         if not self.trains_under_adam():
             warn_adaptive(self, optimizer, ONEBIT_ADAM_MEASURED, ONEBIT_ADAM_ADVICE)
 
     def trains_under_adam(self) -> bool:
-        """Whether these settings are among those measured to train under AdamW as well as
-        no compression: a dense warm-up (``start_iter`` > 0) and buckets of at most
-        :data:`ADAM_BUCKET_SIZE` elements."""
+        """Whether these settings train under Adam's family: a dense warm-up
+        (``start_iter`` > 0) and buckets of at most :data:`ADAM_BUCKET_SIZE` elements."""
         return self.start_iter > 0 and self.bucket_size <= ADAM_BUCKET_SIZE
 
     def options(self) -> dict[str, Any]:
@@ -152,6 +135,5 @@ ONEBIT_ADAM_ADVICE = ("With start_iter at 10% of the steps (the first exchanges 
                       "per step after the warm-up): pass both, e.g. "
                       "Compression.onebit(bucket_size=32, start_iter=40) for 400 steps.")
 ADAM_BUCKET_SIZE = 128
-"""The largest bucket measured to train under AdamW with a dense warm-up of 10% of the steps
-(held-out loss against uncompressed, at 2x / 3x the lr: 32 +0.2% / -2.7%, 64 +0.7% /
--1.5%, 128 +1.0% / -0.8%; at 3x, 256 +4.0%, 512 +5.5%, 2048 +6.4%)."""
+"""The largest ``bucket_size`` that :meth:`OneBit.trains_under_adam` accepts (with a dense
+warm-up of about 10% of the steps). See docs/schemes.md for the runs behind it."""

@@ -24,9 +24,9 @@ class QSGD(PackedScheme):
 
     ``norm="max"`` (the default) scales by ``max_i |v_i|`` instead of ``||v||_2``: the same
     estimator on a finer grid, still unbiased, with variance at most
-    ``d max_i|v_i|^2 / (4 s^2)``, below the 2-norm bound. With ``s = 7`` and ``d = 512`` the
-    2-norm grid puts most elements of a dense bucket at level 0 or 1 and its noise is
-    larger than the gradient; ``norm="l2"`` gives the paper's exact estimator.
+    ``d max_i|v_i|^2 / (4 s^2)``, below the 2-norm bound. With few levels and large buckets
+    the 2-norm grid puts most elements of a dense bucket at level 0 or 1; ``norm="l2"``
+    gives the paper's exact estimator.
 
     ``s |v_i| / ||v||`` is computed as ``|v_i| * (s / ||v||)``, the 2-norm in float64 and
     rounded to float32 once. CPU tensors are coded by :mod:`hvd_compress.native`, with the
@@ -39,17 +39,20 @@ class QSGD(PackedScheme):
     ``bucket_size=512``: 32 / (4 + 32/512) = 7.9x smaller than float32.
 
     Diagnostics: ``optimizer.compression_feedback`` reports each tensor's ``||Q(x) - x|| /
-    ||x||``, large by design for an unbiased quantiser: on digits (2 ranks, SGD lr 0.1
-    momentum 0.9, 300 steps) 0.13 to 0.37 with the defaults (97.2% test accuracy) and 0.45
-    to 1.09 with ``norm="l2"`` (98.6%). It warns of nothing; a change of level within a run
-    is what to look at (:mod:`hvd_compress.feedback` has the other schemes' figures).
+    ||x||``, large by design for an unbiased quantiser; it warns of nothing, and a change of
+    level within a run is what to look at. See docs/schemes.md for typical levels.
 
-    ``error_feedback=True`` keeps the quantisation error in a residual (off by default: the
-    estimator is unbiased). ``loco_beta`` (only with ``error_feedback=True``): 0 (default)
-    keeps the plain residual; in ``(0, 1)``, LoCo's moving average of the compression errors
-    with this weight on the old residual (:meth:`~hvd_compress.schemes.base.Scheme.
-    loco_option`), applied to the rank's residual; the reducing rank's residual of its
-    chunk stays the plain one.
+    Args:
+        bits: bits per element including the sign, 2..8 (default 4).
+        bucket_size: elements per norm (default 512).
+        norm: ``"max"`` (default) or ``"l2"``, the scale of each bucket.
+        error_feedback: keep the quantisation error in a residual (default off: the
+            estimator is unbiased).
+        loco_beta: only with ``error_feedback=True``: 0 (default) keeps the plain residual;
+            in ``(0, 1)``, LoCo's moving average of the compression errors with this weight
+            on the old residual (:meth:`~hvd_compress.schemes.base.Scheme.loco_option`),
+            applied to the rank's residual; the reducing rank's residual of its chunk stays
+            the plain one.
     """
 
     name = "qsgd"

@@ -33,20 +33,16 @@ class RandomK(Scheme):
     momentum of 0.9 or more (:meth:`check_optimizer`).
 
     Under Adam's family the delayed bursts are what hurts: a coordinate that waited ``T``
-    steps arrives with about ``T`` gradients summed, Adam's second moment takes the bursts
-    as noise, and on the converge benchmark's character transformer (AdamW, 400 steps;
-    ``python -m hvd_compress.bench converge``) no setting with error feedback came within
-    8% of uncompressed held-out loss. Without error feedback each coordinate's gradient
-    reaches Adam with probability ``ratio`` and is dropped otherwise; Adam's first moment
-    then holds about ``ratio * g`` and its second about ``ratio * g^2``, so its step is
-    about ``sqrt(ratio)`` times Adam's, and the learning rate divided by ``sqrt(ratio)``
-    makes up for it: at ratio 0.3 it ended 0.5% below uncompressed, at 0.2 1.3% above, at
-    0.1 4.6% above. Scaling the values by ``n / k`` (``unbiased=True``) changes nothing
-    there (Adam's step does not depend on the gradient's scale: 1.6789 against 1.6790), and
-    a dense warm-up made it worse (5.5% above; likely because the second moment then starts
-    at ``g^2``, which makes the steps after it about ``ratio`` times Adam's rather than
-    ``sqrt(ratio)`` times). The optimizer wrapper warns under Adam's family for settings
-    outside those measured to train (:meth:`trains_under_adam`).
+    steps arrives with about ``T`` gradients summed, and Adam's second moment takes the
+    bursts as noise. Without error feedback each coordinate's gradient reaches Adam with
+    probability ``ratio`` and is dropped otherwise; Adam's first moment then holds about
+    ``ratio * g`` and its second about ``ratio * g^2``, so its step is about
+    ``sqrt(ratio)`` times Adam's, and the learning rate divided by ``sqrt(ratio)`` makes up
+    for it. Scaling by ``n / k`` (``unbiased=True``) does not change Adam's step, which does
+    not depend on the gradient's scale. Advice: under Adam's family pass
+    ``error_feedback=False``, no warm-up, a ratio of at least :data:`ADAM_MIN_RATIO` and the
+    learning rate divided by ``sqrt(ratio)``; the optimizer wrapper warns otherwise
+    (:meth:`trains_under_adam`). See docs/schemes.md for the runs.
 
     Args:
         ratio: the fraction of each tensor's entries sent per step (``k = ceil(ratio n)``).
@@ -62,8 +58,7 @@ class RandomK(Scheme):
             grow). Default ``False``.
         start_iter: the first ``start_iter`` exchanges of each tensor are plain float32
             all-reduces that keep no residual (:mod:`hvd_compress.schemes.warmup`); default
-            0. Under Adam it helped with error feedback (20% above uncompressed to 8.7%)
-            and hurt without (see above).
+            0. Under Adam's family it helps with error feedback and hurts without.
     """
 
     name = "randomk"
@@ -105,16 +100,15 @@ class RandomK(Scheme):
     def check_optimizer(self, optimizer: Any) -> None:
         """Warns for optimizer momentum of 0.9 or more with error feedback
         (:func:`warn_heavy_momentum`) and for Adam's family (:func:`warn_adaptive`) unless
-        the settings are those measured to train there (:meth:`trains_under_adam`)."""
+        :meth:`trains_under_adam`."""
         if self.error_feedback:  # no residual, no delayed bursts for momentum to amplify
             warn_heavy_momentum(self, optimizer, RANDOMK_MEASURED)
         if not self.trains_under_adam():
             warn_adaptive(self, optimizer, RANDOMK_ADAM_MEASURED, RANDOMK_ADAM_ADVICE)
 
     def trains_under_adam(self) -> bool:
-        """Whether these settings are among those measured to train under AdamW as well as
-        no compression: no error feedback, no warm-up, and a ratio of at least
-        :data:`ADAM_MIN_RATIO`."""
+        """Whether these settings train under Adam's family: no error feedback, no
+        warm-up, and a ratio of at least :data:`ADAM_MIN_RATIO`."""
         return not self.error_feedback and not self.start_iter and \
             self.ratio >= ADAM_MIN_RATIO
 
@@ -141,5 +135,5 @@ RANDOMK_ADAM_ADVICE = ("Without error feedback and warm-up, at the learning rate
                        "error_feedback=False and a ratio of 0.2 or more, e.g. "
                        "Compression.randomk(ratio=0.3, error_feedback=False).")
 ADAM_MIN_RATIO = 0.2
-"""The smallest ratio measured to train under AdamW without error feedback (0.3: 0.5% below
-uncompressed, 0.2: 1.3% above; 0.1: 4.6% above)."""
+"""The smallest ``ratio`` that :meth:`RandomK.trains_under_adam` accepts (without error
+feedback). See docs/schemes.md for the runs behind it."""

@@ -22,13 +22,11 @@ class TernGrad(PackedScheme):
     the bucket's largest entry, so one outlier makes every other entry noisy. Hence the
     paper's gradient clipping (its Section 3.3), on by default: each bucket is first clipped
     to ``[-clip*sigma, clip*sigma]`` (``sigma`` its standard deviation; default
-    ``clip=2.5``, the paper's choice, which changes well under 1% of the entries of a
-    Gaussian bucket). That shrinks ``s`` and the variance at the price of a small bias;
+    ``clip=2.5``, the paper's choice, which leaves nearly all entries of a Gaussian bucket
+    unchanged). That shrinks ``s`` and the variance at the price of a small bias;
     ``error_feedback=True`` carries the clipped part to the next step instead of dropping
-    it. ``clip=None`` is the unclipped, unbiased quantiser. Measured on digits (2 ranks,
-    ``torch.optim.SGD(lr=0.2, momentum=0.9)``, 600 steps): unclipped, the training loss
-    reached 1.3e4 and test accuracy ended at 18.6%; with the default clipping 98.6%
-    (uncompressed 97.8%).
+    it. ``clip=None`` is the unclipped, unbiased quantiser; keep the clipping on unless the
+    gradients have no outliers (see docs/schemes.md for runs with and without it).
 
     ``|v_i| / s`` is computed as ``|v_i| * (1 / s)``; the clipping statistics in float64,
     the bound rounded to float32 once. CPU tensors are coded by :mod:`hvd_compress.native`,
@@ -40,15 +38,19 @@ class TernGrad(PackedScheme):
 
     Diagnostics: ``optimizer.compression_feedback`` reports each tensor's ``||T(x) - x|| /
     ||x||``, which is large by design (``E ||T(v) - v||^2 = sum_i |v_i| (s - |v_i|)`` per
-    bucket): on digits (2 ranks, SGD lr 0.1 momentum 0.9, 300 steps) 0.50 to 0.93 with the
-    default clipping while training reached 97.5%, and 0.98 to 1.88 unclipped. It warns of
-    nothing; a change of level within a run is what to look at
-    (:mod:`hvd_compress.feedback` has the other schemes' figures).
+    bucket); it warns of nothing, and a change of level within a run is what to look at.
 
-    ``loco_beta`` (only with ``error_feedback=True``): 0 (default) keeps the plain residual;
-    in ``(0, 1)``, LoCo's moving average of the compression errors with this weight on the
-    old residual (:meth:`~hvd_compress.schemes.base.Scheme.loco_option`), applied to the
-    rank's residual; the reducing rank's residual of its chunk stays the plain one.
+    Args:
+        bucket_size: elements per scale (default 512).
+        clip: clip each bucket to ``clip`` standard deviations (default 2.5); ``None``
+            turns clipping off.
+        error_feedback: carry the clipping and quantisation error to the next step
+            (default off).
+        loco_beta: only with ``error_feedback=True``: 0 (default) keeps the plain residual;
+            in ``(0, 1)``, LoCo's moving average of the compression errors with this weight
+            on the old residual (:meth:`~hvd_compress.schemes.base.Scheme.loco_option`),
+            applied to the rank's residual; the reducing rank's residual of its chunk stays
+            the plain one.
     """
 
     name = "terngrad"

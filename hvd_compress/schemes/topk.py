@@ -47,8 +47,8 @@ def largest(magnitude: torch.Tensor, k: int, generator: torch.Generator) -> torc
     """Indices of the ``k`` largest entries of the flat ``magnitude`` (as
     ``magnitude.topk(k).indices``, ties broken either way), in any order.
 
-    ``torch.topk`` on a CPU keeps a heap over all ``n`` entries (88 ms for ``k = 8192`` of
-    ``n = 8.4 M`` here). Instead: the ``2 k n / m``-th largest of ``m`` sampled entries is a
+    ``torch.topk`` on a CPU keeps a heap over all ``n`` entries, which is slow for large
+    tensors. Instead: the ``2 k n / m``-th largest of ``m`` sampled entries is a
     threshold that about ``2 k`` entries pass; one comparison over all entries keeps those,
     and ``topk`` among them is the exact answer whenever at least ``k`` passed. If fewer
     passed (a sample that fell badly), the full ``topk`` runs, so the result is always
@@ -75,8 +75,8 @@ class TopK(Scheme):
     as (index, value) pairs and keeps the rest in its residual (with ``values="fp16"``
     the rounding of the sent values too). Indices differ between ranks, so the pairs are
     summed by a parameter server or by gathering them, not by a ring. On the wire
-    (:mod:`hvd_compress.sparse_wire`) indices are delta+varint coded, about 1-2 bytes at
-    0.1% density, plus 4 (fp32) or 2 (fp16) bytes per value.
+    (:mod:`hvd_compress.sparse_wire`) indices are delta+varint coded (one byte per
+    7 bits of the gap between consecutive indices), plus 4 (fp32) or 2 (fp16) bytes per value.
 
     ``loco_beta``: the error-feedback memory (:meth:`~hvd_compress.schemes.base.Scheme.
     loco_option`): 0 (default) keeps the plain residual; in ``(0, 1)``, LoCo's moving
