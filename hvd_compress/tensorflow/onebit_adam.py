@@ -21,9 +21,9 @@ Speed", ICML), with the same two stages, hyper-parameters and defaults:
        m       = u * d;   w -= learning_rate / (1 - beta_1^t) * u
 
 The module docstring of :mod:`hvd_compress.torch.onebit_adam` gives the reasons for the
-preconditioner's units, the clip and the mask, with the measurements behind them. Here the
+preconditioner's units, the clip and the mask. Here the
 codec and the compressed all-reduce are the shared torch ones
-(:mod:`hvd_compress.schemes.onebit`, :mod:`hvd_compress.comm.compressed_allreduce`),
+(:mod:`hvd_compress.schemes.onebit`, :mod:`hvd_compress.schemes.packed`),
 reached through the TensorFlow binding's exchange
 (:class:`~hvd_compress.tensorflow.exchange.GradientExchange`: DLPack and Horovod's
 TensorFlow collectives), as for any packed scheme; the few element-wise lines above are
@@ -33,15 +33,11 @@ stages are traced, and ``tf.cond`` on ``iterations`` picks one at run time: ever
 takes the same branch.
 
 The compressed stage's update is :class:`hvd_compress.torch.OneBitAdam`'s to float32
-rounding (the element-wise operations round differently in the two frameworks; measured on
-the digits network over 6 compressed steps, the weights differed by at most 1.5e-8, under
-1e-5 of the largest step, with the same bytes on the wire). Measured on digits with
-``model.fit`` (2 ranks, 660 steps of 32, ``freeze_step=100``): 96.9% test accuracy against
-97.5% for Keras Adam, and 4,348 bytes per step after the freeze against 104,488 as float32
-(24x; the biases go dense). One difference from the warm-up is inherited from the frameworks:
-Keras' Adam adds ``epsilon`` to ``sqrt(v)`` and torch's to ``sqrt(v / (1 - beta_2^t))``;
-the compressed stage uses torch's (the formula above), which differs from the warm-up's
-only where ``v`` is of the order of ``epsilon^2``.
+rounding (the element-wise operations round differently in the two frameworks), with the
+same bytes on the wire; see docs/schemes.md for the accuracy runs. One difference from the
+warm-up is inherited from the frameworks: Keras' Adam adds ``epsilon`` to ``sqrt(v)`` and
+torch's to ``sqrt(v / (1 - beta_2^t))``; the compressed stage uses torch's (the formula
+above), which differs from the warm-up's only where ``v`` is of the order of ``epsilon^2``.
 """
 
 from __future__ import annotations
@@ -101,8 +97,8 @@ class OneBitAdam(keras.optimizers.Adam):
 
     Args:
         learning_rate: a float or a Keras learning-rate schedule. Default 1e-3.
-        beta_1, beta_2: Adam's decay rates of the first and second moments. Defaults 0.9
-            and 0.999.
+        beta_1: Adam's decay rate of the first moment. Default 0.9.
+        beta_2: Adam's decay rate of the second moment. Default 0.999.
         epsilon: added to the preconditioner's square root. Default 1e-8, torch's and
             the paper's (Keras' own Adam defaults to 1e-7).
         weight_decay: L2 weight decay added to the gradient, as ``torch.optim.Adam``'s

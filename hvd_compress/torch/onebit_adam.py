@@ -11,7 +11,7 @@ slowly, so it runs in two stages:
    one), so until ``freeze_step`` a run is bit for bit a Horovod-averaged Adam run.
 2. **Compression** (every later step): ``v`` is frozen at its value after the warm-up.
    Each rank updates the momentum with its own, local gradient and exchanges it with the
-   compressed all-reduce of 1-bit SGD (:mod:`hvd_compress.comm.compressed_allreduce`)::
+   compressed all-reduce of 1-bit SGD (:mod:`hvd_compress.schemes.packed`)::
 
        m_local = beta1 * m + (1 - beta1) * (g_local + weight_decay * p)
        d       = sqrt(v / (1 - beta2^freeze_step)) + eps            (frozen, every rank alike)
@@ -26,7 +26,8 @@ slowly, so it runs in two stages:
    than float32) for the tensors the policy compresses (by default tensors of at least
    1024 elements and two or more dimensions); the others' momentum is averaged exactly.
 
-Three choices differ from DeepSpeed's ``OnebitAdam``, each for a measured reason:
+Three choices differ from DeepSpeed's ``OnebitAdam``; without the first two, training
+diverges soon after ``freeze_step`` (see docs/schemes.md):
 
 - The momentum travels in the frozen preconditioner's units, ``m / d``. Since ``d`` is
   the same on every rank, the average is the same quantity, but one bucket's 1-bit scale
@@ -39,16 +40,11 @@ Three choices differ from DeepSpeed's ``OnebitAdam``, each for a measured reason
 - Elements whose frozen ``v`` is exactly 0 (no gradient in the whole warm-up) do not
   move; DeepSpeed asks the user for that mask (``exp_avg_mask``).
 
-Measured on digits (2 ranks, lr 1e-3, 600 steps): sent as ``m`` (with the mask), training
-reached NaN 7 steps after ``freeze_step=100``; as ``m / d`` without the clip, NaN too,
-after 49 compressed steps at one of those freeze steps; with all three, 97.5-97.8% test
-accuracy for ``freeze_step`` 50, 100 and 200, as plain Adam's 97.5%.
-
 Bias corrections follow ``torch.optim.Adam`` (the second moment's is frozen with ``v``), so
 the update is continuous at ``freeze_step``; DeepSpeed's implementation drops them, which
 makes no difference once ``freeze_step`` is large. Weight decay is Adam's (added to the
 gradient), as in the warm-up. DeepSpeed's default ``freeze_step`` is 100000; the paper
-freezes after about 15-25% of the training steps (BERT pre-training: 23K of 152K).
+freezes after about 15-25% of the training steps.
 
 The two stages, the exchange and the state dict are :class:`OneBitMomentum`'s, which
 :class:`~hvd_compress.torch.OneBitLamb` shares (only the update differs) and
@@ -305,8 +301,10 @@ class OneBitAdam(OneBitMomentum, torch.optim.Adam):
 
     Args:
         params: the parameters (or parameter groups), as for ``torch.optim.Adam``.
-        lr, betas, eps, weight_decay: Adam's, with Adam's defaults (1e-3, (0.9, 0.999),
-            1e-8, 0).
+        lr: Adam's learning rate (default 1e-3).
+        betas: Adam's moment coefficients (default ``(0.9, 0.999)``).
+        eps: Adam's denominator term (default 1e-8).
+        weight_decay: Adam's weight decay, added to the gradient (default 0).
         freeze_step: warm-up steps of plain, uncompressed Adam before the variance is
             frozen and the momentum compressed. Default 100000 (DeepSpeed's); set it to
             about 15-25% of the run's steps.

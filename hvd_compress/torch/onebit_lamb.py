@@ -82,22 +82,29 @@ class OneBitLamb(OneBitMomentum):
 
     Args:
         params: the parameters (or parameter groups), as for any ``torch.optim`` optimizer.
-        lr, betas, eps: Adam's moments (defaults 1e-3, (0.9, 0.999), 1e-8).
+        lr: the learning rate (default 1e-3).
+        betas: Adam's moment coefficients (default ``(0.9, 0.999)``).
+        eps: Adam's denominator term (default 1e-8).
         weight_decay: LAMB's decoupled weight decay, added to the update before its trust
             ratio. Default 0.
-        max_coeff, min_coeff: the bounds of the trust ratio ``c`` (DeepSpeed's defaults 10
-            and 0.01).
+        max_coeff: the upper bound of the trust ratio ``c`` (default 10, DeepSpeed's).
+        min_coeff: the lower bound of the trust ratio ``c`` (default 0.01, DeepSpeed's).
         coeff_beta: the weight of the past in ``c_frozen``, the moving average of the
             warm-up's trust ratios. Default 0.9.
-        factor_max, factor_min: the bounds of the compression stage's scaling ``f`` of
-            ``c_frozen`` (defaults 4 and 0.5).
+        factor_max: the upper bound of the compression stage's scaling ``f`` of
+            ``c_frozen`` (default 4).
+        factor_min: the lower bound of ``f`` (default 0.5).
         factor_threshold: the most ``f`` may change from one step to the next, relatively.
             Default 0.1.
         freeze_step: warm-up steps of plain LAMB with uncompressed gradients. Default
             100000 (DeepSpeed's); the paper freezes after about 15-25% of the steps.
-        named_parameters, compression, policy, comm, seed: as for
-            :class:`~hvd_compress.torch.OneBitAdam` (default names
+        named_parameters: as for :class:`~hvd_compress.torch.OneBitAdam` (default
             ``onebit_lamb.<group>.<index>``).
+        compression: as for :class:`~hvd_compress.torch.OneBitAdam` (default
+            ``Compression.onebit()``).
+        policy: as for :class:`~hvd_compress.torch.OneBitAdam`.
+        comm: as for :class:`~hvd_compress.torch.OneBitAdam`.
+        seed: as for :class:`~hvd_compress.torch.OneBitAdam` (default 0).
 
     Raises ``ValueError`` at construction for an option out of range, a compression scheme
     without error feedback, and duplicated or missing parameter names.

@@ -323,8 +323,8 @@ def DistributedOptimizer(
         report_every: how often ``compression_feedback`` measures the compression error of
             a tensor without error feedback (fp16, TernGrad, QSGD, the vote): every
             ``report_every``-th step (default 10; 1: every step; 0: never). Measuring
-            decodes the rank's own payload, 14-25 ms per 8 M-element tensor on a CPU.
-            Tensors with error feedback and DGC's velocity are measured at every step.
+            decodes the rank's own payload, one extra decode per tensor. Tensors with error
+            feedback and DGC's velocity are measured at every step.
         collectives: what carries the dense rounds (all-reduces, PowerSGD's ``P`` and
             ``Q``, the compressed all-reduce's scatter and gather). ``"horovod"`` (the
             default): Horovod's collectives, negotiated in its background loop, each round
@@ -338,12 +338,12 @@ def DistributedOptimizer(
             zeros at ``step()``); buckets start in plan order. Sparse pairs still go
             through Horovod ``allgather`` or the parameter server. Needs the global
             process set. For dense schemes Horovod's loop then only idles:
-            ``HOROVOD_CYCLE_TIME=100`` spares its cycles (README). ``"nccl"``: the same on
-            a ``torch.distributed`` NCCL group, for a model on the GPU, as DDP's hooks run
-            on GPUs (:mod:`hvd_compress.comm.torch_dist`); refused here, with what to
-            change, unless this torch has NCCL, CUDA is available and every parameter is
-            on the current CUDA device (``torch.cuda.set_device(hvd.local_rank())`` then
-            ``model.cuda()``).
+            ``HOROVOD_CYCLE_TIME=100`` spares its cycles (see docs/user-guide.md).
+            ``"nccl"``: the same on a ``torch.distributed`` NCCL group, for a model on the
+            GPU, as DDP's hooks run on GPUs (:mod:`hvd_compress.comm.torch_dist`); refused
+            here, with what to change, unless this torch has NCCL, CUDA is available and
+            every parameter is on the current CUDA device
+            (``torch.cuda.set_device(hvd.local_rank())`` then ``model.cuda()``).
 
     Horovod's explicit ``groups``/``num_groups`` are not supported (Horovod's tensor fusion
     still batches small all-reduces), nor is ``op=hvd.Adasum``: both raise ``ValueError``.

@@ -122,8 +122,10 @@ class ZeroOneAdam(OneBitAdam):
 
     Args:
         params: the parameters (or parameter groups), as for ``torch.optim.Adam``.
-        lr, betas, eps, weight_decay: Adam's, with Adam's defaults (1e-3, (0.9, 0.999),
-            1e-8, 0; the weight decay is Adam's L2 term, added to the gradient).
+        lr: Adam's learning rate (default 1e-3).
+        betas: Adam's moment coefficients (default ``(0.9, 0.999)``).
+        eps: Adam's denominator term (default 1e-8).
+        weight_decay: Adam's L2 term, added to the gradient (default 0).
         var_freeze_step: the last step at which the variance may be updated; after it the
             variance is frozen and local steps begin. Default 100000 (DeepSpeed's); the
             paper puts it at the end of the learning-rate warm-up.
@@ -133,9 +135,13 @@ class ZeroOneAdam(OneBitAdam):
             length. Default 32678 (DeepSpeed's value, as it ships).
         local_step_clipper: the longest round, in steps (the paper's ``H``). Default 16;
             1 turns local steps off (every step after the freeze is a compressed step).
-        named_parameters, compression, policy, comm, seed: as for
-            :class:`~hvd_compress.torch.OneBitAdam` (default names
-            ``zero_one_adam.<group>.<index>``; default compression ``Compression.onebit()``).
+        named_parameters: as for :class:`~hvd_compress.torch.OneBitAdam` (default
+            ``zero_one_adam.<group>.<index>``).
+        compression: as for :class:`~hvd_compress.torch.OneBitAdam` (default
+            ``Compression.onebit()``).
+        policy: as for :class:`~hvd_compress.torch.OneBitAdam`.
+        comm: as for :class:`~hvd_compress.torch.OneBitAdam`.
+        seed: as for :class:`~hvd_compress.torch.OneBitAdam` (default 0).
 
     Raises ``ValueError`` at construction for a schedule option that is not a positive
     integer, for Adam options 0/1 Adam does not support (``amsgrad``, ``maximize``, a
