@@ -94,32 +94,22 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from hvd_compress import native
-from hvd_compress.comm.compressed_allreduce import chunk_sizes
 from hvd_compress.comm.ops import AllToAll
 from hvd_compress.schemes.base import (
     Dense,
     Exchange,
     Outcome,
-    PackedScheme,
     Scattered,
+    check_loco_beta,
     materialize,
     subtract,
 )
+from hvd_compress.schemes.packed import PackedScheme, chunk_sizes
 
 FEEDBACK = "error feedback"
 """``FeedbackStats.residual`` of a tensor whose residual is the pipeline's memory."""
 NO_RESIDUAL = "none"
 """``FeedbackStats.residual`` of a tensor whose scheme keeps no residual."""
-
-
-def check_loco_beta(scheme: str, beta: float) -> float:
-    """``beta`` as a float if it is a valid LoCo weight, ``0 <= beta < 1``; otherwise a
-    ``ValueError`` naming ``scheme``."""
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta < 1:
-        raise ValueError(f"{scheme}: loco_beta must be a number in [0, 1) (0: the plain "
-                         f"residual; LoCo's moving average otherwise, e.g. 0.8), got "
-                         f"{beta!r}")
-    return float(beta)
 
 
 def density_of(sent: Dense | None, numel: int) -> float:
@@ -186,8 +176,8 @@ def payload_distance(codec: PackedScheme, scatter: AllToAll, x: torch.Tensor,
                      size: int) -> tuple[float, float]:
     """``(||x||, ||decode(sent) - x||)`` for the ``scatter`` request of ``codec``'s
     compressed all-reduce of ``x`` on ``size`` ranks
-    (:mod:`hvd_compress.comm.compressed_allreduce`): its tensor is this rank's payloads of
-    the chunks of ``x`` (:func:`~hvd_compress.comm.compressed_allreduce.chunk_sizes`) one
+    (:mod:`hvd_compress.schemes.packed`): its tensor is this rank's payloads of
+    the chunks of ``x`` (:func:`~hvd_compress.schemes.packed.chunk_sizes`) one
     after the other, ``splits`` their bytes. Each chunk is decoded (one write pass of its
     float32 values, the cost a scheme without error feedback does not otherwise pay) and
     compared with its slice of ``x`` by :func:`block_norms`."""

@@ -2,14 +2,13 @@
 
 Under ``mpirun`` Horovod takes its MPI controller, and then waits inside MPI in every
 negotiation cycle and every collective, where Open MPI polls for progress on the CPU the
-ranks train on (``mpi_yield_when_idle`` softens that; the README's "Across models and
-launchers" measures what is left). ``horovodrun --gloo`` gives Horovod a Gloo controller
-instead, whose waits block in the kernel. :func:`start_gloo_controller` gives ranks that
-``mpirun`` started the same: MPI carries every rank's host name and rank 0's address once,
-rank 0 serves Horovod's Gloo rendezvous in a thread of its own process (as
-``horovodrun`` serves it), and each rank gets the environment ``horovodrun --gloo`` gives
-its ranks, with Horovod's rank equal to the MPI rank. MPI is then idle for the rest of the
-job.
+ranks train on (``mpi_yield_when_idle`` softens that; docs/benchmarks.md compares the
+launchers). ``horovodrun --gloo`` gives Horovod a Gloo controller instead, whose waits block
+in the kernel. :func:`start_gloo_controller` gives ranks that ``mpirun`` started the same:
+MPI carries every rank's host name and rank 0's address once, rank 0 serves Horovod's Gloo
+rendezvous in a thread of its own process (as ``horovodrun`` serves it), and each rank gets
+the environment ``horovodrun --gloo`` gives its ranks, with Horovod's rank equal to the MPI
+rank. MPI is then idle for the rest of the job.
 
 Called by ``hvd_compress.torch.init(controller="gloo")`` (and the TensorFlow binding's)
 before ``hvd.init()``.

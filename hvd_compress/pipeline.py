@@ -95,7 +95,6 @@ from hvd_compress.schemes.base import (
     Exchange,
     ExchangeContext,
     Outcome,
-    PackedScheme,
     Scattered,
     Scheme,
     materialize,
@@ -103,6 +102,7 @@ from hvd_compress.schemes.base import (
     write_scaled,
 )
 from hvd_compress.schemes.dense import FP16, NoCompression
+from hvd_compress.schemes.packed import PackedScheme
 
 STATE_VERSION = 1
 DEFAULT_BUCKET_BYTES = 64 << 20

@@ -23,7 +23,7 @@ from hvd_compress.pipeline import StepStats
 
 
 def _size(n: float) -> str:
-    """Bytes as ``"1.5 MB"`` (decimal units, as the README's tables)."""
+    """Bytes as ``"1.5 MB"`` (decimal units)."""
     for unit in ("B", "kB", "MB", "GB"):
         if abs(n) < 1000 or unit == "GB":
             return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"

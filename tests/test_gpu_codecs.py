@@ -42,8 +42,9 @@ import torch
 
 from hvd_compress import Compression, native, wire
 from hvd_compress.comm.ops import AllReduce
-from hvd_compress.schemes.base import ExchangeContext, PackedScheme
+from hvd_compress.schemes.base import ExchangeContext
 from hvd_compress.schemes.dense import HalfPayload
+from hvd_compress.schemes.packed import PackedScheme
 from hvd_compress.schemes.qsgd import QSGD
 from hvd_compress.schemes.terngrad import TernGrad
 from tests.test_kernels import assert_scales_agree, code_bytes, gradient

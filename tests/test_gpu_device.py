@@ -22,8 +22,9 @@ import torch
 from hvd_compress import Compression, Pipeline, Policy, native
 from hvd_compress.comm.staging import pairs_to_host, staging_buffer
 from hvd_compress.comm.threads import ThreadGroup
-from hvd_compress.schemes.base import ExchangeContext, PackedScheme
+from hvd_compress.schemes.base import ExchangeContext
 from hvd_compress.schemes.dense import HalfPayload
+from hvd_compress.schemes.packed import PackedScheme
 from tests.threaded import on_threads
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[

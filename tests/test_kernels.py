@@ -10,7 +10,8 @@ import torch
 from hvd_compress import Compression, native
 from hvd_compress.native import buffers
 from hvd_compress.native import sparse as native_sparse
-from hvd_compress.schemes.base import ExchangeContext, PackedScheme
+from hvd_compress.schemes.base import ExchangeContext
+from hvd_compress.schemes.packed import PackedScheme
 from hvd_compress.sparse_wire import varint_decode
 
 CODECS = [

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from hvd_compress.comm.compressed_allreduce import chunk_sizes
+from hvd_compress.schemes.packed import chunk_sizes
 from tests.harness import LAUNCHERS, run_ranks
 
 pytestmark = pytest.mark.multiprocess

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from hvd_compress import Compression
-from hvd_compress.comm.compressed_allreduce import CHUNK_RESIDUAL
 from hvd_compress.comm.threads import ThreadGroup
+from hvd_compress.schemes.packed import CHUNK_RESIDUAL
 from hvd_compress.torch import DistributedOptimizer, OneBitAdam
 from tests import convergence_harness as harness
 from tests.harness import aten_kernels

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from hvd_compress import Compression, Policy, native
-from hvd_compress.schemes.base import ExchangeContext, PackedScheme
+from hvd_compress.schemes.base import ExchangeContext
+from hvd_compress.schemes.packed import PackedScheme
 from tests.threaded import make_pipelines, on_threads
 
 PACKED = [Compression.onebit(bucket_size=64), Compression.qsgd(bits=3, bucket_size=50),

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from hvd_compress import Compression
-from hvd_compress.comm.compressed_allreduce import chunk_sizes
 from hvd_compress.comm.threads import ThreadGroup
+from hvd_compress.schemes.packed import chunk_sizes
 from hvd_compress.torch import OneBitAdam, ZeroOneAdam
 from tests import convergence_harness as harness
 from tests.harness import run_ranks

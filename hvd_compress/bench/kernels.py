@@ -45,10 +45,10 @@ from hvd_compress.schemes.base import (
     Exchange,
     ExchangeContext,
     Outcome,
-    PackedScheme,
     materialize,
 )
 from hvd_compress.schemes.dense import FP16
+from hvd_compress.schemes.packed import PackedScheme
 from hvd_compress.schemes.powersgd import PowerSGD
 
 KERNEL_SCHEMES = tuple(spec for spec in SCHEMES if spec != "none")

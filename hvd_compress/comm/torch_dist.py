@@ -2,8 +2,8 @@
 on its own.
 
 Horovod runs every collective through its background loop: a request waits for the next
-cycle (``HOROVOD_CYCLE_TIME``, 10 ms here), is negotiated with the coordinator by name, and
-only then travels; Horovod 0.28.1's loop sleeps out each cycle and nothing wakes it early.
+cycle (``HOROVOD_CYCLE_TIME``), is negotiated with the coordinator by name, and only then
+travels; Horovod 0.28.1's loop sleeps out each cycle and nothing wakes it early.
 A scheme with several rounds per step (PowerSGD's ``P`` then ``Q``) pays that wait once per
 round, and how much of a cycle is left when a round is started varies from step to step.
 PyTorch DDP's communication hooks pay none of it: they start collectives directly.

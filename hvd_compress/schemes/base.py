@@ -19,15 +19,19 @@ it), so nothing of the scheme runs and the run is plain local training.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Generator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hvd_compress.comm.ops import Collective
+
+if TYPE_CHECKING:
+    from hvd_compress.schemes.packed import PackedScheme
 
 State = dict[str, torch.Tensor]
 Exchange = Generator[Collective, Any, "Outcome"]
@@ -171,6 +175,16 @@ class Outcome:
     state: State = field(default_factory=dict)
 
 
+def check_loco_beta(scheme: str, beta: float) -> float:
+    """``beta`` as a float if it is a valid LoCo weight, ``0 <= beta < 1``; otherwise a
+    ``ValueError`` naming ``scheme``."""
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta < 1:
+        raise ValueError(f"{scheme}: loco_beta must be a number in [0, 1) (0: the plain "
+                         f"residual; LoCo's moving average otherwise, e.g. 0.8), got "
+                         f"{beta!r}")
+    return float(beta)
+
+
 class Scheme(ABC):
     """A gradient compression algorithm.
 
@@ -214,6 +228,13 @@ class Scheme(ABC):
         """Whether the scheme can encode a tensor of this shape at all."""
         return shape.numel() > 0
 
+    def packed(self, device: torch.device) -> PackedScheme | None:
+        """The :class:`~hvd_compress.schemes.packed.PackedScheme` whose payload this scheme
+        sends through the compressed all-reduce for tensors on ``device``, or ``None`` when
+        it does not (the default)."""
+        del device
+        return None
+
     def options(self) -> dict[str, Any]:
         """The constructor options that define this scheme, by name (``loco_beta`` aside:
         :meth:`describe` adds it). Default: none."""
@@ -236,8 +257,6 @@ class Scheme(ABC):
         which :meth:`describe` then records). ``ValueError`` naming the scheme if it is not
         in ``[0, 1)``, or if it is non-zero while this scheme keeps no residual (its
         ``error_feedback`` is off: there is nothing to average)."""
-        from hvd_compress.feedback import check_loco_beta  # feedback imports this module
-
         beta = check_loco_beta(self.name, loco_beta)
         if beta and not self.error_feedback:
             raise ValueError(f"{self.name}: loco_beta={beta:g} averages the error-feedback "
@@ -325,66 +344,15 @@ def warn_adaptive(scheme: Scheme, optimizer: Any, measured: str, advice: str) ->
             return
 
 
-class PackedScheme(Scheme):
-    """A scheme whose payloads cannot be summed as they are (bit-packed codes plus scales).
-
-    Subclasses give ``encode``/``decode`` of a flat chunk; the exchange is the compressed
-    all-reduce of :mod:`hvd_compress.comm.compressed_allreduce`, which splits the tensor into
-    one chunk per rank at bucket boundaries. ``bucket_size`` elements share one scale.
-    """
-
-    bucket_size: int = 512
-
-    @abstractmethod
-    def encode(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        """Flat float32 chunk -> flat uint8 payload of :meth:`chunk_bytes` bytes."""
-
-    @abstractmethod
-    def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
-        """Payload of a ``numel``-element chunk -> flat float32 values."""
-
-    @abstractmethod
-    def chunk_bytes(self, numel: int) -> int:
-        """Exact payload size of a ``numel``-element chunk."""
-
-    def payload_bytes(self, shape: torch.Size) -> int:
-        return self.chunk_bytes(shape.numel())
-
-    def reduce(self, payloads: Sequence[torch.Tensor], numel: int) -> torch.Tensor:
-        """The reducing rank's step of the compressed all-reduce: its ``numel``-element
-        chunk of the aggregate from the payloads every rank sent it (in rank order), before
-        it is re-encoded. Default: the sum of their decodings (what every summable scheme
-        needs). A scheme with another reduction overrides it (majority vote: the sign of
-        the sum of signs)."""
-        if not numel:
-            return torch.zeros(0, dtype=torch.float32, device=payloads[0].device)
-        total = self.decode(payloads[0], numel)
-        for payload in payloads[1:]:
-            total += self.decode(payload, numel)
-        return total
-
-    def expand(self, aggregate: torch.Tensor, size: int) -> torch.Tensor:
-        """The aggregate as the pipeline takes it, a sum over ``size`` ranks, from the
-        decoded re-encoded chunks. Default: as decoded. Majority vote multiplies its vote by
-        ``size``, so the averaged gradient is the vote itself."""
-        del size
-        return aggregate
-
-    def exchange(self, x: torch.Tensor, state: Mapping[str, torch.Tensor],
-                 ctx: ExchangeContext) -> Exchange:
-        from hvd_compress.comm.compressed_allreduce import compressed_allreduce
-
-        return compressed_allreduce(self, x, state, ctx)
+_MOVED = {"PackedScheme": "hvd_compress.schemes.packed",
+          "bucket_view": "hvd_compress.schemes.packed"}
 
 
-def bucket_view(x: torch.Tensor, bucket_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A flat tensor zero-padded into rows of ``bucket_size``, and each row's true length."""
-    n = x.numel()
-    rows = max((n + bucket_size - 1) // bucket_size, 0)
-    padded = x.new_zeros(rows * bucket_size)
-    padded[:n] = x
-    counts = torch.full((rows,), bucket_size, dtype=x.dtype, device=x.device)
-    if rows and n % bucket_size:
-        counts[-1] = n % bucket_size
-    return padded.view(rows, bucket_size), counts
-
+def __getattr__(name: str) -> Any:
+    """The names that moved to :mod:`hvd_compress.schemes.packed`, with a
+    ``DeprecationWarning`` (kept for one release)."""
+    if name not in _MOVED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(f"hvd_compress.schemes.base.{name} moved to {_MOVED[name]}.{name}; import "
+                  "it from there", DeprecationWarning, stacklevel=2)
+    return getattr(importlib.import_module(_MOVED[name]), name)

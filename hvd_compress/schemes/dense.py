@@ -14,7 +14,8 @@ import torch
 
 from hvd_compress import native, wire
 from hvd_compress.comm.ops import AllReduce
-from hvd_compress.schemes.base import Exchange, ExchangeContext, Outcome, PackedScheme, Scheme
+from hvd_compress.schemes.base import Exchange, ExchangeContext, Outcome, Scheme
+from hvd_compress.schemes.packed import PackedScheme
 
 
 def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -66,7 +67,7 @@ class NoCompression(ReadyMade, Scheme):
 
 class HalfPayload(PackedScheme):
     """Values as a 16-bit float type (``float16`` or ``bfloat16``), summed by the compressed
-    all-reduce (:mod:`hvd_compress.comm.compressed_allreduce`): each rank sums its chunk of
+    all-reduce (:mod:`hvd_compress.schemes.packed`): each rank sums its chunk of
     the payloads in float32 and rounds the sum once, which is more accurate than a ring
     summing in 16 bits and moves the same bytes.
 

@@ -11,11 +11,10 @@ from hvd_compress import native, wire
 from hvd_compress.schemes.base import (
     Exchange,
     ExchangeContext,
-    PackedScheme,
-    bucket_view,
     warn_adaptive,
     warn_heavy_momentum,
 )
+from hvd_compress.schemes.packed import PackedScheme, bucket_view
 from hvd_compress.schemes.warmup import check_start_iter, dense_warmup
 
 

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from hvd_compress import native, wire
-from hvd_compress.schemes.base import PackedScheme, bucket_view
+from hvd_compress.schemes.packed import PackedScheme, bucket_view
 
 
 class TernGrad(PackedScheme):

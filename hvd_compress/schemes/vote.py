@@ -8,12 +8,8 @@ from typing import Any
 import torch
 
 from hvd_compress import wire
-from hvd_compress.schemes.base import (
-    Exchange,
-    ExchangeContext,
-    PackedScheme,
-    optimizer_momentum,
-)
+from hvd_compress.schemes.base import Exchange, ExchangeContext, optimizer_momentum
+from hvd_compress.schemes.packed import PackedScheme
 
 MOMENTUM = "momentum"
 
@@ -29,7 +25,7 @@ class MajorityVote(PackedScheme):
         vote = sign(sum_i sign(g_i))
 
     Exactly that vote goes through the compressed all-reduce
-    (:mod:`hvd_compress.comm.compressed_allreduce`): the rank reducing a chunk counts the
+    (:mod:`hvd_compress.schemes.packed`): the rank reducing a chunk counts the
     signs it received (:meth:`reduce`, an exact integer sum), takes the sign of the count
     and sends it back as 1 bit per element. Ties (an even number of ranks, half of them
     each way) count as ``+1``, as a sign bit of a non-negative number does: with 2 ranks

@@ -194,7 +194,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         (``x = g + e`` with error feedback), the residual's norm (error feedback's, DGC's
         velocity, or 0 for a scheme that keeps none; ``residual`` says which) and its growth
         against its early size, the scheme and the share of entries sent. Tensors sent
-        dense are not in it. :mod:`hvd_compress.feedback` lists healthy values per scheme;
+        dense are not in it. docs/schemes.md lists healthy values per scheme;
         a residual that grows without bound raises
         :class:`~hvd_compress.feedback.ResidualGrowthWarning` naming the tensor."""
         return self._pipeline.feedback.report()
