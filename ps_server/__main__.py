@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                            args.checkpoint_fsync, hide_names=args.metrics_hide_names)
     try:
         service.restore()
-    except ValueError as err:
+    except (ValueError, OSError) as err:
         raise SystemExit(f"hvd-ps-server: {err}") from None
     host, port = args.bind
     if args.metrics_port is not None:

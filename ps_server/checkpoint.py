@@ -130,12 +130,16 @@ def save(path: Path, snapshot: dict[str, Any], generation: int = 0) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     data = buffer.getbuffer()
-    with open(tmp, "wb") as f:
-        fault_point("snapshot-write", (f.fileno(), data))
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            fault_point("snapshot-write", (f.fileno(), data))
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:  # the previous snapshot stays in place; free what the attempt used
+        tmp.unlink(missing_ok=True)
+        raise
     fault_point("snapshot-renamed")
     return len(data)
 
@@ -176,19 +180,28 @@ def _record(header: Any, arrays: list[np.ndarray]) -> bytes:
 
 
 class Journal:
-    """An open journal file, appended to by one writer thread."""
+    """A new journal file (emptied if it exists), appended to by one writer thread.
+
+    A failed append (``OSError``: disk full, I/O error) is cut off again, so the file ends
+    with whole records and a later append is readable; if even that fails, ``broken`` is
+    set and the journal must not be appended to again (write a snapshot instead).
+    """
 
     def __init__(self, path: Path, config: dict[str, Any], fsync: bool = False) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path, self.fsync = path, fsync
-        fresh = not path.exists() or path.stat().st_size == 0
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        self.records = self.bytes = 0
-        if fresh:
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_TRUNC, 0o644)
+        self.records = self.bytes = self.size = 0
+        self.broken = False
+        try:
             self._write(_record({"format": FORMAT, **config}, []))
+        except OSError:
+            os.close(self._fd)
+            raise
 
     def append(self, changes: list[Change]) -> int:
-        """Write one record of ``changes``; returns its size in bytes."""
+        """Write one record of ``changes``; returns its size in bytes. On ``OSError`` the
+        file is as before the call (or ``broken``) and the error is raised."""
         entries, arrays = [], []
         for c in changes:
             count = 0 if c.indices is None else int(c.indices.size)
@@ -206,10 +219,22 @@ class Journal:
 
     def _write(self, data: bytes) -> None:
         view = memoryview(data)
-        while view:
-            view = view[os.write(self._fd, view):]
-        if self.fsync:
-            os.fsync(self._fd)
+        try:
+            while view:
+                view = view[os.write(self._fd, view):]
+            if self.fsync:
+                os.fsync(self._fd)
+        except OSError:
+            self._cut(self.size)
+            raise
+        self.size += len(data)
+
+    def _cut(self, size: int) -> None:
+        """Drop what a failed write left after ``size`` bytes."""
+        try:
+            os.ftruncate(self._fd, size)
+        except OSError:
+            self.broken = True
 
     def close(self) -> None:
         os.close(self._fd)

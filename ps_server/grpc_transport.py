@@ -21,6 +21,10 @@ worker of a session bound to another process is refused (``PERMISSION_DENIED``, 
 call is answered by a streaming handler that never reads the request, so an
 unauthenticated client cannot make the server buffer its message; the refusal is logged
 with the peer's address. Message sizes are capped both ways.
+
+Health (``grpc.health.v1``): ``SERVING``, and ``NOT_SERVING`` while the server's checkpoint
+writes fail (:attr:`ShardService.failing`); pushes and pulls are then refused with
+``UNAVAILABLE`` and that message.
 """
 
 from __future__ import annotations
@@ -300,9 +304,19 @@ async def _start(service: FrameHandler, bind: str, pull_timeout: float, token: s
     if not port:
         raise OSError(f"cannot listen on {bind} (port in use?)")
     await server.start()
-    for name in ("", GRPC_SERVICE):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    await _set_health(health_servicer, getattr(service, "failing", None) is None)
+    if isinstance(service, ShardService):
+        service.health_listeners.append(lambda serving: asyncio.run_coroutine_threadsafe(
+            _set_health(health_servicer, serving), loop))
     return server, port
+
+
+async def _set_health(servicer: health.aio.HealthServicer, serving: bool) -> None:
+    """SERVING or NOT_SERVING for the server as a whole and for the PS service."""
+    status = health_pb2.HealthCheckResponse.SERVING if serving else \
+        health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", GRPC_SERVICE):
+        await servicer.set(name, status)
 
 
 def tick_forever(service: ShardService, stop: threading.Event) -> threading.Thread:

@@ -6,25 +6,29 @@ services in one process never mix their counts), served at ``GET /metrics`` on
 ``prometheus_client``'s HTTP server. Every sample carries the label
 ``shard="I/N"``. Exposed:
 
-========================================  =========  ==========================================
-name                                      type       what
-========================================  =========  ==========================================
-``hvd_ps_requests_total``                 counter    requests by ``method`` and ``outcome``
-``hvd_ps_pushes_total``                   counter    pushes by ``outcome`` (accepted, duplicate)
-``hvd_ps_rejected_requests_total``        counter    refusals by ``method`` and ``reason``
-``hvd_ps_received_bytes_total``           counter    frame bytes received
-``hvd_ps_sent_bytes_total``               counter    frame bytes sent
-``hvd_ps_rounds_closed_total``            counter    rounds closed with every worker's push
-``hvd_ps_rounds_failed_total``            counter    rounds failed (deadline, conflict)
-``hvd_ps_checkpoints_total``              counter    checkpoints written
-``hvd_ps_round_latency_seconds``          histogram  first accepted push of a round to its close
-``hvd_ps_push_to_close_seconds``          histogram  each accepted push to its round's close
-``hvd_ps_open_round``                     gauge      the open round of each ``tensor`` (with
-                                                     ``--metrics-hide-names``: ``stat="min"``
-                                                     and ``"max"`` over tensors, no names)
-``hvd_ps_open_sessions``                  gauge      sessions holding state (tensor-name prefix)
-``hvd_ps_held_bytes``                     gauge      bytes of arrays the store holds
-========================================  =========  ==========================================
+============================================  =========  ==========================================
+name                                          type       what
+============================================  =========  ==========================================
+``hvd_ps_requests_total``                     counter    requests by ``method`` and ``outcome``
+``hvd_ps_pushes_total``                       counter    pushes by ``outcome`` (accepted, duplicate)
+``hvd_ps_rejected_requests_total``            counter    refusals by ``method`` and ``reason``
+``hvd_ps_received_bytes_total``               counter    frame bytes received
+``hvd_ps_sent_bytes_total``                   counter    frame bytes sent
+``hvd_ps_rounds_closed_total``                counter    rounds closed with every worker's push
+``hvd_ps_rounds_failed_total``                counter    rounds failed (deadline, conflict)
+``hvd_ps_checkpoints_total``                  counter    checkpoints written
+``hvd_ps_checkpoint_write_failures_total``    counter    failed checkpoint writes by ``what``
+                                                         (journal, snapshot)
+``hvd_ps_round_latency_seconds``              histogram  first accepted push of a round to its close
+``hvd_ps_push_to_close_seconds``              histogram  each accepted push to its round's close
+``hvd_ps_open_round``                         gauge      the open round of each ``tensor`` (with
+                                                         ``--metrics-hide-names``: ``stat="min"``
+                                                         and ``"max"`` over tensors, no names)
+``hvd_ps_open_sessions``                      gauge      sessions holding state (tensor-name prefix)
+``hvd_ps_held_bytes``                         gauge      bytes of arrays the store holds
+``hvd_ps_checkpoint_failing``                 gauge      1 while checkpoint writes fail (requests
+                                                         are refused, health NOT_SERVING), else 0
+============================================  =========  ==========================================
 
 The gauges are read from the store at scrape time through the ``gauges`` callable.
 ``reason`` is the refusal's kind in snake case (``stale_round``, ``future_round``,
@@ -67,11 +71,14 @@ COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "hvd_ps_rounds_failed_total": ("Rounds failed (deadline passed or conflicting pushes).",
                                    ()),
     "hvd_ps_checkpoints_total": ("Checkpoints written.", ()),
+    "hvd_ps_checkpoint_write_failures_total": ("Failed checkpoint writes (each retried), by "
+                                               "what was written.", ("what",)),
 }
 GAUGES: dict[str, str] = {
     "hvd_ps_open_round": "The open round of each tensor.",
     "hvd_ps_open_sessions": "Sessions (tensor-name prefixes before '/') holding state.",
     "hvd_ps_held_bytes": "Bytes of arrays the store holds (pushes, residuals, aggregates).",
+    "hvd_ps_checkpoint_failing": "1 while checkpoint writes fail and requests are refused.",
 }
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                    10.0, 30.0, 60.0, 120.0, 300.0)

@@ -11,6 +11,13 @@ finish while it writes go into its next record, so under load one write covers m
 rounds. After ``checkpoint_every`` journaled rounds it writes a full snapshot instead and
 starts a new journal, which bounds the journal's length and the time a restart replays.
 
+A failed write (``OSError``: disk full, I/O error) loses nothing: what it took is put
+back in the queue and the write is retried with back-off (:data:`RETRY_FIRST` doubling to
+:data:`RETRY_MAX` seconds). Until one succeeds, :attr:`ShardService.failing` holds the
+error and advice, every push and pull is refused with it (``UNAVAILABLE``,
+:class:`~ps_server.store.NotDurable`), health is ``NOT_SERVING`` and no round is
+answered; then the server goes on where it was. See ``docs/reliability.md``.
+
 Identity: a gRPC call may carry its worker's identity, ``(session, worker, key)`` of
 :func:`hvd_compress.ps_protocol.parse_identity`; :meth:`ShardService.push` and
 :meth:`ShardService.decode_pull` check that the frame is for that worker and session and
@@ -21,10 +28,13 @@ message came from) instead and bind nothing: the rank is the identity.
 
 from __future__ import annotations
 
+import errno
 import logging
 import struct
 import threading
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import NoReturn
 
 from hvd_compress.ps_protocol import job_size_mismatch, session_of
@@ -55,6 +65,24 @@ rounds. Measured in ``scripts/demo.sh`` (2 workers, 1,320 rounds of one tensor, 
 the server's 3.1 s; the server's CPU was 3.10 and 3.07 s with checkpoints, 3.01 and 3.20 s
 without (within the noise)."""
 
+RETRY_FIRST = 0.1
+"""Seconds before the first retry of a failed checkpoint write; each further retry waits
+twice as long, up to :data:`RETRY_MAX`."""
+RETRY_MAX = 2.0
+
+
+def write_failure(what: str, err: OSError, directory: Path) -> str:
+    """The message that pushes and pulls are refused with while ``what`` ("journal" or
+    "snapshot") writes fail with ``err``: the error, that the server retries, and what to
+    do about it."""
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        advice = f"free space on --checkpoint-dir {directory}"
+    else:
+        advice = f"check the disk and file system of --checkpoint-dir {directory}"
+    return (f"{what} write failed: {err}; the server keeps retrying and refuses pushes "
+            f"and pulls until it can make rounds durable: {advice}")
+
+
 class ShardService:
     """One shard's request handling on top of a :class:`ShardStore`.
 
@@ -76,6 +104,13 @@ class ShardService:
         self.hide_names = hide_names
         self.checkpoint = None if checkpoint_dir is None else checkpoint.path_for(
             checkpoint_dir, store.shard, store.shards)
+        self._writing = "snapshot"  # what the writer writes now, for error messages
+        self.failing: str | None = None  # the refusal while checkpoint writes fail
+        self.failed_writes = 0  # failed attempts since the last successful write
+        self._failing_since = 0.0
+        self.health_listeners: list[Callable[[bool], None]] = []
+        """Called from the writer thread with False when checkpoint writes start failing
+        (the server is not serving) and True when they work again."""
         self.metrics = Metrics({"shard": f"{store.shard}/{store.shards}"}, self._gauges)
         self.generation = 0
         self.journaled = 0  # rounds in the current journal
@@ -86,6 +121,7 @@ class ShardService:
         self._write_lock = threading.Lock()
         self._wake = threading.Event()
         self._stopping = False
+        self._stop = threading.Event()
         self._writer: threading.Thread | None = None
         self._job_sizes_logged: set[tuple[str, int]] = set()
         self._hosts: dict[tuple[str, int], str] = {}  # (session, worker) -> first host
@@ -128,10 +164,16 @@ class ShardService:
         if self._writer is None:
             return
         self._stopping = True
+        self._stop.set()
         self._wake.set()
         if self._writer.is_alive():
             self._writer.join()
-        self.save_checkpoint()
+        try:
+            self.save_checkpoint()
+        except OSError as err:
+            log.error("final checkpoint snapshot failed (%s): the checkpoint in %s holds "
+                      "every round answered before, and a restart resumes from there",
+                      err, self.checkpoint.parent)
         if self._journal is not None:
             self._journal.close()
             self._journal = None
@@ -268,27 +310,85 @@ class ShardService:
             self._snapshot()
 
     def _write_loop(self) -> None:
+        delay = RETRY_FIRST
         while not self._stopping:
-            self._wake.wait()
+            if self.failing is None:
+                self._wake.wait()
+            else:  # retry on the back-off clock, not on every finished round
+                self._stop.wait(delay)
+                delay = min(2 * delay, RETRY_MAX)
             self._wake.clear()
             try:
                 self._write()
-            except Exception:  # keep serving; pulls of unwritten rounds time out
+            except OSError as err:
+                if self.failing is None:
+                    delay = RETRY_FIRST
+                self._write_failed(err, delay)
+            except Exception:  # a bug, not the disk: keep serving; the log has it
                 log.exception("checkpoint write to %s failed", self.checkpoint)
+            else:
+                if self.failing is not None:
+                    self._write_recovered()
+
+    def _write_failed(self, err: OSError, delay: float) -> None:
+        """Refuse requests (health NOT_SERVING) with ``err`` until a write succeeds."""
+        what = self._writing
+        message = write_failure(what, err, self.checkpoint.parent)
+        self.metrics.inc("hvd_ps_checkpoint_write_failures_total", what=what)
+        self.failed_writes += 1
+        if self.failing is None:
+            self._failing_since = time.monotonic()
+            log.error("%s; pushes and pulls are refused (UNAVAILABLE) and health is "
+                      "NOT_SERVING until a write succeeds; next try in %.1f s", message, delay)
+        elif message != self.failing:
+            log.error("%s; next try in %.1f s", message, delay)
+        else:
+            log.debug("%s write still failing; next try in %.1f s", what, delay)
+        if message != self.failing:
+            self.failing = message
+            self.store.set_unavailable(message)
+            self._health_changed(False)
+
+    def _write_recovered(self) -> None:
+        log.warning("checkpoint writes to %s work again after %d failed attempts over "
+                    "%.1f s; every finished round is durable, serving again",
+                    self.checkpoint.parent, self.failed_writes,
+                    time.monotonic() - self._failing_since)
+        self.failing = None
+        self.failed_writes = 0
+        self.store.set_unavailable(None)
+        self._health_changed(True)
+
+    def _health_changed(self, serving: bool) -> None:
+        for listener in self.health_listeners:
+            try:
+                listener(serving)
+            except Exception:  # a transport's bug must not stop the writer
+                log.exception("health listener failed")
 
     def _write(self) -> None:
         """Journal the rounds finished since the last write, then release their pulls; a
-        full snapshot instead once ``every`` rounds are in the journal."""
+        full snapshot instead once ``every`` rounds are in the journal (or when there is
+        no usable journal). A failed write puts everything it took back (see
+        :meth:`ShardStore.requeue`) and raises its ``OSError``."""
         with self._write_lock:
             began = time.thread_time()
-            if self.journaled >= self.every:
+            if self._journal is None or self.journaled >= self.every:
                 self._snapshot()
                 return
             changes, finished = self.store.take_changes()
             if not changes:
                 return
             checkpoint.fault_point("closed")
-            self.journal_bytes += self._journal.append(changes)
+            self._writing = "journal"
+            try:
+                self.journal_bytes += self._journal.append(changes)
+            except OSError:
+                self.store.requeue(changes, finished)
+                if self._journal.broken:
+                    self._journal.close()
+                    self._journal = None
+                raise
             checkpoint.fault_point("journal-written")
             self.journaled += len(changes)
             self.writes += 1
@@ -296,25 +396,33 @@ class ShardService:
             self.write_cpu += time.thread_time() - began
 
     def _snapshot(self) -> None:
-        """Snapshot generation g + 1, switch to its journal, delete journal g (lock held)."""
+        """Snapshot generation g + 1, delete journal g, start journal g + 1 (lock held).
+
+        The rounds are durable once the snapshot is renamed into place; if starting the
+        new journal then fails, the next write is a snapshot again."""
         began = time.thread_time()
-        snapshot, finished = self.store.snapshot_and_take()
+        snapshot, changes, finished = self.store.snapshot_and_take()
         generation = self.generation + 1
-        self.snapshot_bytes += checkpoint.save(self.checkpoint, snapshot, generation)
-        old = self._journal
+        self._writing = "snapshot"
+        try:
+            self.snapshot_bytes += checkpoint.save(self.checkpoint, snapshot, generation)
+        except OSError:
+            self.store.requeue(changes, finished)
+            raise
+        if self._journal is not None:
+            self._journal.close()
+            self._journal = None
+        checkpoint.journal_path(self.checkpoint, self.generation).unlink(missing_ok=True)
+        self.generation, self.journaled = generation, 0
+        self.snapshots += 1
+        self.store.mark_durable(finished)
+        self.metrics.inc("hvd_ps_checkpoints_total")
+        self._writing = "journal"
         self._journal = checkpoint.Journal(
             checkpoint.journal_path(self.checkpoint, generation),
             {key: snapshot[key] for key in ("workers", "shard", "shards", "mode")},
             self.fsync)
-        stale = checkpoint.journal_path(self.checkpoint, self.generation)
-        if old is not None:
-            old.close()
-        stale.unlink(missing_ok=True)
-        self.generation, self.journaled = generation, 0
-        self.snapshots += 1
-        self.store.mark_durable(finished)
         self.write_cpu += time.thread_time() - began
-        self.metrics.inc("hvd_ps_checkpoints_total")
         log.debug("checkpoint snapshot %d written to %s", generation, self.checkpoint)
 
     # Internals -----------------------------------------------------------------------------
@@ -381,4 +489,5 @@ class ShardService:
                           for name, r in rounds.items()}
         return {**per_tensor,
                 ("hvd_ps_open_sessions", ()): float(len({n.split("/")[0] for n in rounds})),
-                ("hvd_ps_held_bytes", ()): float(self.store.held_bytes())}
+                ("hvd_ps_held_bytes", ()): float(self.store.held_bytes()),
+                ("hvd_ps_checkpoint_failing", ()): float(self.failing is not None)}

@@ -136,6 +136,13 @@ class WorkerBound(RequestError):
     code = "PERMISSION_DENIED"
 
 
+class NotDurable(RequestError):
+    """The server cannot make rounds durable (a checkpoint write keeps failing): every
+    push and pull is refused with the write's error until a write succeeds."""
+
+    code = "UNAVAILABLE"
+
+
 class JobSizeMismatch(RequestError):
     """The client's job has a different number of workers than the server's --workers."""
 
@@ -256,6 +263,7 @@ class ShardStore:
         self._undurable: list[tuple[str, Finished]] = []
         self.listeners: list[Callable[[str], None]] = []
         self.durable_version = 0  # counts mark_durable calls, for polling transports
+        self.unavailable: str | None = None  # why rounds cannot be made durable now
         # Set by transports that call expire() at least every freeze_gap / 4 seconds: a
         # longer gap means the process was stopped (SIGSTOP, a VM pause) or starved, and
         # the pushes sent meanwhile wait unread in its sockets; deadlines then count from
@@ -275,6 +283,7 @@ class ShardStore:
         if digest is None:
             digest = zlib.crc32(frame.values.tobytes(), zlib.crc32(frame.indices.tobytes()))
         with self._cond:
+            self._check_available()
             self._expire_locked()
             state = self.tensors.get(frame.tensor)
             if state is None:
@@ -399,11 +408,30 @@ class ShardStore:
 
     def take_changes(self) -> tuple[list[Change], list[tuple[str, Finished]]]:
         """The change records since the last call, and the finished rounds they make
-        durable once written (pass those to :meth:`mark_durable`)."""
+        durable once written (pass those to :meth:`mark_durable`, or to :meth:`requeue`
+        when the write failed)."""
         with self._cond:
             changes, self.changes = self.changes, []
             undurable, self._undurable = self._undurable, []
             return changes, undurable
+
+    def requeue(self, changes: list[Change], finished: list[tuple[str, Finished]]) -> None:
+        """Put back what :meth:`take_changes` returned when writing it failed, ahead of
+        anything queued since, so the next write holds every change in order."""
+        with self._cond:
+            self.changes[:0] = changes
+            self._undurable[:0] = finished
+
+    def set_unavailable(self, reason: str | None) -> None:
+        """While ``reason`` is not None, refuse every push and pull with
+        :class:`NotDurable` (``reason`` as its message), waking the pulls that wait;
+        None serves again."""
+        with self._cond:
+            self.unavailable = reason
+            self._cond.notify_all()
+            for tensor in list(self.tensors):
+                for listener in self.listeners:
+                    listener(tensor)
 
     def mark_durable(self, finished: list[tuple[str, Finished]]) -> None:
         """The journal holds these rounds: let their pulls be answered."""
@@ -463,12 +491,14 @@ class ShardStore:
             return events
 
     # State for checkpoints and metrics -----------------------------------------------------
-    def snapshot_and_take(self) -> tuple[dict[str, Any], list[tuple[str, Finished]]]:
+    def snapshot_and_take(self) -> tuple[dict[str, Any], list[Change],
+                                         list[tuple[str, Finished]]]:
         """:meth:`snapshot` and :meth:`take_changes` at one instant: the snapshot holds
-        every queued change, so writing it makes the returned rounds durable."""
+        every queued change, so writing it makes the returned rounds durable (if writing
+        it fails, :meth:`requeue` the changes and rounds)."""
         with self._cond:
-            _, undurable = self.take_changes()
-            return self.snapshot(), undurable
+            changes, undurable = self.take_changes()
+            return self.snapshot(), changes, undurable
 
     def snapshot(self) -> dict[str, Any]:
         """Everything a restarted server needs: rounds, residuals, last aggregates, and
@@ -522,6 +552,10 @@ class ShardStore:
             return sum(s.nbytes() for s in self.tensors.values())
 
     # Internals (lock held) -----------------------------------------------------------------
+    def _check_available(self) -> None:
+        if self.unavailable is not None:
+            raise NotDurable(self.unavailable)
+
     def _check(self, frame: Frame, kind: Kind) -> None:
         if frame.kind is not kind:
             raise RequestError(f"{frame.where()}: expected a {kind.name.lower()} frame, "
@@ -701,6 +735,7 @@ class ShardStore:
             listener(tensor)
 
     def _try_pull_locked(self, frame: Frame) -> bytes | None:
+        self._check_available()
         state = self.tensors.get(frame.tensor)
         if state is None:
             raise UnknownTensor(f"{frame.where()}: no worker has pushed this tensor to this "
