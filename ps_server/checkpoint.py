@@ -4,7 +4,7 @@ Files, in the checkpoint directory, for shard ``i`` of ``n``:
 
 ``shard-<i>-of-<n>.npz``
     The snapshot: a numpy ``.npz`` (no pickle) holding a JSON ``meta`` entry (the
-    :meth:`~ps_server.store.ShardStore.snapshot` without arrays, with its worker
+    :func:`~ps_server.durability.snapshot` without arrays, with its worker
     ``bindings``, plus the journal ``generation`` it continues with) and, per tensor
     ``j``, arrays ``residual.<j>``, ``indices.<j>`` and ``values.<j>`` when present.
     Written to a temporary file, flushed to disk (``fsync``) and renamed over the previous
@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from ps_server.store import Change
+from ps_server.durability import Change
 
 FORMAT = 2
 FAULT_ENV = "HVD_COMPRESS_PS_FAULT"

@@ -55,11 +55,9 @@ log = logging.getLogger("ps_server")
 
 INLINE_PUSH_BYTES = 1 << 20
 """Pushes up to this size are handled on the event loop itself, larger ones in the
-``threads`` pool (so one huge push does not stall every other call). The hand-off to a
-thread costs more than decoding a push of this order: with 50,000-pair pushes (about
-300 KB) over loopback, 2 and 8 workers, the server handled 17-18 M pairs per CPU-second
-through the pool and 18-22 M inline, as many as the earlier thread-per-call server
-(20-23 M)."""
+``threads`` pool, so one huge push does not stall every other call; below it the hand-off
+to a thread costs about as much as decoding the push. Raise it if the pool shows up in
+profiles of small pushes; the figures are in ``docs/benchmarks.md``."""
 
 _TOKEN_HELP = ("missing or wrong token: pass the server's token (--token-file or "
                "HVD_COMPRESS_PS_TOKEN) to the client")

@@ -55,15 +55,11 @@ log = logging.getLogger("ps_server")
 ACCEPTED = b"accepted"
 DUPLICATE = b"duplicate"
 CHECKPOINT_EVERY = 2000
-"""Default rounds journaled between full snapshots. A snapshot holds every tensor, so its
-size follows the tensors (2,000 tensors of 4,400 elements in top-k mode: 38 MB, 0.3 s,
-``scripts/ps_memory.py``); a journal record follows the traffic (1.1 KB for one round of
-one of those tensors, with 50 tensors or 2,000). At this interval a restart replays at most 2,000
-rounds. Measured in ``scripts/demo.sh`` (2 workers, 1,320 rounds of one tensor, shared
-2-core machine), with ``HVD_PS_CHECKPOINT_DIR`` set: 1,318-1,320 journal writes of
-2.1 KB, 2 snapshots (start and stop), 0.07-0.08 s of the writer thread's CPU, 2.3-2.6% of
-the server's 3.1 s; the server's CPU was 3.10 and 3.07 s with checkpoints, 3.01 and 3.20 s
-without (within the noise)."""
+"""Default rounds journaled between full snapshots (``--checkpoint-every``). A snapshot's
+size follows the number of tensors, a journal record's the traffic of one write, and a
+restart replays at most this many rounds: lower it to restart faster, raise it when
+snapshots of many tensors cost too much. Figures: ``docs/benchmarks.md``, "Parameter
+server"."""
 
 RETRY_FIRST = 0.1
 """Seconds before the first retry of a failed checkpoint write; each further retry waits

@@ -1,230 +1,63 @@
-"""The round state machine and shard store: no I/O, safe to call from many threads.
+"""One shard of every tensor: the round state machine, safe to call from many threads.
 
-Per tensor, the shard keeps one open round ``r`` and the pushes received for it: a push
-of pairs ``(i_j, v_j)`` from worker ``w`` is decoded and checked, then held. When all
-``W`` workers have pushed, the round closes and its pushes are summed into
-``a = sum_w v_w`` on ``U``, the union of the pushed indices, in one merge over the sorted
-pushes (float32, added in worker order, so the result does not depend on arrival order):
-
-* mode ``union``: the aggregate is ``{(i, a[i]) : i in U}``, the exact sum;
-* mode ``topk``: with the dense server residual ``e``, ``s = a + e``; the aggregate is the ``k``
-  entries of largest ``|s_i|`` (``k`` = the most pairs any worker pushed this round) and
-  ``e <- s`` with those entries zeroed (error feedback on the server). A non-finite ``s``
-  is returned whole and ``e`` is kept, so workers detect it and skip the step.
-
-Round ``r + 1`` then opens. The last finished round's aggregate stays available to pulls.
-A retransmitted push (same worker, round and content, told apart by the frame's CRC) is
-a no-op; a second push with *different* content for the same (worker, round) is a
-conflict: two ranks share a worker id, or a token holder pushed as another worker. The
-open round then fails with an error naming the worker and both peers, which the second
-sender gets at once (``ALREADY_EXISTS``) and every puller of the round gets as its error,
-so no worker applies a sum with one content or the other. Rounds before the last
-finished one are stale, rounds after the open one are in the future: both are rejected.
-The first push or pull of a round starts its deadline; a round still missing workers when
-it passes fails with an error naming them, and the next round opens. The first push of
-an unknown tensor fixes its round and size.
-
-Durability (``durable=True``, when the server keeps checkpoints): a finished round is
-queued as a change record (:meth:`ShardStore.take_changes`) and its aggregate is held
-back from pulls until the journal writer has written that record and called
-:meth:`ShardStore.mark_durable`. So any aggregate a worker has seen survives a crash of
-the server, and after a restart the server is at, or past, the round of every worker:
-the workers resume in agreement. Change records hold the round's *union sum* (not the
-top-k aggregate) so that :meth:`ShardStore.replay` recomputes the same aggregate and
-server residual through the same code as the live close.
-
-Worker identity (:meth:`ShardStore.claim`): every gRPC client process draws a random
-secret when it is made and sends it with each call
-(:func:`hvd_compress.ps_protocol.identity_metadata`); the store binds each (session,
-worker) to the first secret it sees (keeping a digest of it, the first peer and the time)
-and refuses any later call for that worker of that session with another secret, or with
-none, as :class:`WorkerBound` (``PERMISSION_DENIED``), naming the first peer. The gRPC
-transport asks :meth:`ShardStore.bound_elsewhere` before the request's body is read, so
-an impersonating push is refused unread and never reaches a round; the content check
-above stays for clients that send no identity. Why a per-process secret, not a key
-derived from the token: every worker holds the same token, so any token holder could
-derive any worker's key; what tells two processes apart is something only one of them
-has. Why not the first connection: a client reconnects (new port, new connection) after
-a network blip or a server restart and must stay the same worker, which the secret does
-since it lives as long as the client. A process that replaces a dead one (a new secret)
-is refused until the session expires; jobs start a new session per run anyway.
-
-Bindings are state like rounds: with ``durable`` a new binding is queued as a change
-record ahead of any round its worker's pushes close, so a round a worker has seen is
-never on disk without the bindings of those who pushed it, and a restarted server keeps
-refusing the same impersonator. A binding not yet written when the server died belonged
-to rounds nobody saw, and is learned again from the first call after the restart.
-
-Idle expiry (``idle_timeout`` seconds, checked by :meth:`ShardStore.expire`): a tensor
-neither pushed nor pulled for that long is dropped with its residual, last aggregate and
-pending pushes, and one INFO line per session (the tensor name's part before ``/``) says
-how many tensors and bytes were freed. A session's bindings go with it: a binding whose
-session has no tensor left and whose worker made no call for ``idle_timeout`` is freed.
+:class:`ShardStore` keeps, per tensor, the rounds of :mod:`ps_server.rounds`, binds
+workers to processes (:mod:`ps_server.identity`) and, when the server keeps checkpoints,
+queues what must be journaled before a round is answered (:mod:`ps_server.durability`).
+It does no I/O. The names of those modules (and of :mod:`ps_server.errors`) stay
+importable from here.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import threading
 import time
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from typing import Any
 
-import numpy as np
-
-from hvd_compress.native import sparse as native_sparse
 from hvd_compress.ps_protocol import session_of
-from hvd_compress.sparse_wire import (
-    SERVER_ID,
-    Frame,
-    Kind,
-    ValueDType,
-    encode_frame,
+from hvd_compress.sparse_wire import SERVER_ID, Frame, Kind, encode_frame
+from ps_server import durability
+from ps_server.durability import Change
+from ps_server.errors import (
+    ConflictingPush,
+    FutureRound,
+    JobSizeMismatch,
+    NotDurable,
+    OverBudget,
+    PullTimeout,
+    RequestError,
+    RoundFailed,
+    StaleRound,
+    UnknownTensor,
+    WorkerBound,
+)
+from ps_server.identity import Binding, WorkerBindings
+from ps_server.rounds import (
+    MODES,
+    Finished,
+    TensorState,
+    aggregate,
+    new_state,
+    release_memory,
+    sum_pushes,
 )
 
-MODES = ("union", "topk")
+__all__ = ["MODES", "Binding", "Change", "ConflictingPush", "Finished", "FutureRound",
+           "JobSizeMismatch", "NotDurable", "OverBudget", "PullTimeout", "RequestError",
+           "RoundFailed", "ShardStore", "StaleRound", "TensorState", "UnknownTensor",
+           "WorkerBound", "release_memory", "sum_pushes"]
 log = logging.getLogger("ps_server")
 
 
-class RequestError(Exception):
-    """A request the server refuses; ``code`` is the gRPC status name it maps to."""
-
-    code = "INVALID_ARGUMENT"
-
-
-class StaleRound(RequestError):
-    code = "FAILED_PRECONDITION"
-
-
-class FutureRound(RequestError):
-    code = "FAILED_PRECONDITION"
-
-
-class RoundFailed(RequestError):
-    code = "ABORTED"
-
-
-class UnknownTensor(RequestError):
-    code = "NOT_FOUND"
-
-
-class PullTimeout(RequestError):
-    code = "DEADLINE_EXCEEDED"
-
-
-class ConflictingPush(RequestError):
-    """A second push with different content for the same (worker, round)."""
-
-    code = "ALREADY_EXISTS"
-
-
-class OverBudget(RequestError):
-    """Accepting the push would make the open rounds' pushes exceed the memory budget."""
-
-    code = "RESOURCE_EXHAUSTED"
-
-
-class WorkerBound(RequestError):
-    """A call for a worker of a session that is bound to another process (see the
-    module docstring)."""
-
-    code = "PERMISSION_DENIED"
-
-
-class NotDurable(RequestError):
-    """The server cannot make rounds durable (a checkpoint write keeps failing): every
-    push and pull is refused with the write's error until a write succeeds."""
-
-    code = "UNAVAILABLE"
-
-
-class JobSizeMismatch(RequestError):
-    """The client's job has a different number of workers than the server's --workers."""
-
-    code = "FAILED_PRECONDITION"
-
-
-@dataclass
-class Change:
-    """One journal record: round ``round`` of ``tensor`` finished (``sums`` are the union
-    indices and float32 sums of its pushes, ``k`` the most pairs a worker pushed), or
-    failed with ``error``; or, with ``dropped``, the tensor expired."""
-
-    tensor: str
-    round: int = 0
-    numel: int = 0
-    indices: np.ndarray | None = None
-    values: np.ndarray | None = None
-    k: int = 0
-    error: str | None = None
-    dropped: bool = False
-    binding: tuple[int, str | None, str, float] | None = None
-    """A worker of session ``tensor`` bound: (worker, key as hex, first peer, first seen
-    as Unix time); with key None, freed."""
-
-
-@dataclass
-class Binding:
-    """The process a (session, worker) is bound to: ``key`` is the digest of its secret,
-    ``peer`` and ``since`` (Unix time) its first call, ``touched`` (the store's clock) its
-    last."""
-
-    key: bytes
-    peer: str
-    since: float
-    touched: float
-
-    def record(self, worker: int) -> tuple[int, str, str, float]:
-        """The :attr:`Change.binding` of this binding for ``worker``."""
-        return worker, self.key.hex(), self.peer, self.since
-
-
-@dataclass
-class Finished:
-    """The outcome of a finished round: pairs, or the error that failed it."""
-
-    round: int
-    indices: np.ndarray | None = None
-    values: np.ndarray | None = None
-    error: str | None = None
-    encoded: dict[ValueDType, bytes] = field(default_factory=dict)
-    durable: bool = True  # False until the journal holds it; pulls wait until then
-
-
-@dataclass
-class TensorState:
-    numel: int
-    round: int
-    pushed: dict[int, Frame] = field(default_factory=dict)  # this round's, by worker
-    digests: dict[int, tuple[int, str]] = field(default_factory=dict)  # (CRC, peer)
-    last_digests: dict[int, tuple[int, str]] = field(default_factory=dict)
-    opened: float | None = None
-    residual: np.ndarray | None = None
-    last: Finished | None = None
-    touched: float = 0.0
-
-    def nbytes(self) -> int:
-        """Bytes of arrays this tensor holds (pushes, residual, last aggregate)."""
-        held = sum(f.indices.nbytes + f.values.nbytes for f in self.pushed.values())
-        if self.residual is not None:
-            held += self.residual.nbytes
-        last = self.last
-        if last is not None and last.indices is not None:
-            held += last.indices.nbytes + last.values.nbytes
-            held += sum(len(b) for b in last.encoded.values())
-        return held
-
-
 class ShardStore:
-    """The state of one shard of every tensor, with the round state machine above.
+    """The state of one shard of every tensor, with the round state machine of
+    :mod:`ps_server.rounds`.
 
     Finished rounds are queued for :meth:`pop_events`, which the server drains to count
-    rounds, and with ``durable`` also for :meth:`take_changes` (see the module docstring).
+    rounds, and with ``durable`` also for :meth:`take_changes` (see
+    :mod:`ps_server.durability`).
     ``idle_timeout`` (seconds, None for never) expires tensors nobody used for that long.
     ``push_budget`` (bytes, None for no limit) bounds the decoded pairs that the pushes of
     open rounds hold together; a push that would exceed it is refused (``OverBudget``)
@@ -254,7 +87,7 @@ class ShardStore:
         self.push_budget = push_budget
         self.pending_bytes = 0  # decoded pairs held by the pushes of open rounds
         self.tensors: dict[str, TensorState] = {}
-        self.bindings: dict[tuple[str, int], Binding] = {}  # (session, worker) -> process
+        self.identity = WorkerBindings(workers, shard, shards, idle_timeout)
         self.closed_rounds = 0
         self.failed_rounds = 0
         self.expired_tensors = 0
@@ -330,50 +163,31 @@ class ShardStore:
             error += "; the round had already closed with the first content"
         raise ConflictingPush(error)
 
+    @property
+    def bindings(self) -> dict[tuple[str, int], Binding]:
+        """The worker bindings, by (session, worker) (see :mod:`ps_server.identity`)."""
+        return self.identity.bindings
+
     def bound_elsewhere(self, session: str, worker: int, key: bytes | None
                         ) -> Binding | None:
-        """The binding of ``worker`` of ``session`` if it is to another process than the
-        one with ``key`` (None: a call without identity), else None. Reads one entry
-        without the lock, so a transport may ask before it reads a request's body."""
-        binding = self.bindings.get((session, worker))
-        return None if binding is None or binding.key == key else binding
+        """:meth:`WorkerBindings.bound_elsewhere <ps_server.identity.WorkerBindings.
+        bound_elsewhere>`: safe to ask without the lock, before a request's body is read."""
+        return self.identity.bound_elsewhere(session, worker, key)
 
     def claim(self, session: str, worker: int, key: bytes | None, peer: str) -> None:
-        """Bind ``worker`` of ``session`` to the process with ``key`` if it is unbound,
-        or refuse the call (:class:`WorkerBound`) if it is bound to another process or
-        ``key`` is None (no identity) and it is bound at all. Ids out of range are left
-        to the frame checks; calls without identity bind nothing."""
+        """Bind ``worker`` of ``session`` to the process with ``key``, or refuse the call
+        (:class:`WorkerBound`); see :meth:`ps_server.identity.WorkerBindings.claim`. With
+        ``durable``, a new binding is queued for the journal."""
         with self._cond:
-            binding = self.bindings.get((session, worker))
-            if binding is None:
-                if key is None or not 0 <= worker < self.workers:
-                    return
-                binding = Binding(key, peer, time.time(), self.clock())
-                self.bindings[session, worker] = binding
-                if self.durable:
-                    self.changes.append(Change(session, binding=binding.record(worker)))
-                log.info("worker %d of session %r bound to the process at %s", worker,
-                         session, peer)
-            elif binding.key == key:
-                binding.touched = self.clock()
-            else:
-                raise WorkerBound(self.bound_error(session, worker, binding, peer,
-                                                   key is None))
+            binding = self.identity.claim(session, worker, key, peer, self.clock())
+            if binding is not None and self.durable:
+                self.changes.append(Change(session, binding=binding.record(worker)))
 
     def bound_error(self, session: str, worker: int, binding: Binding, peer: str,
                     anonymous: bool) -> str:
         """The refusal of a call from ``peer`` for ``worker`` of ``session``, which is
         bound to the process of ``binding``."""
-        seen = datetime.fromtimestamp(binding.since, timezone.utc).strftime(
-            "%Y-%m-%d %H:%M:%S UTC")
-        this = "carries no worker identity" if anonymous else "comes from another process"
-        expiry = ("" if self.idle_timeout is None else
-                  f", or this one to expire after {self.idle_timeout:g} s idle")
-        return (f"worker {worker} of session {session!r} (shard {self.shard}/{self.shards}) "
-                f"is bound to another process, first seen from {binding.peer} at {seen}; "
-                f"this call {this} ({peer}): two ranks launched with one worker id, or "
-                "another process using this worker's id? Give each rank its own worker "
-                f"id; a process replacing one that died needs a new session{expiry}")
+        return self.identity.error(session, worker, binding, peer, anonymous)
 
     def try_pull(self, frame: Frame) -> bytes | None:
         """The aggregate frame for ``frame.round``, or None while that round is open."""
@@ -445,44 +259,10 @@ class ShardStore:
 
     def replay(self, changes: list[Change]) -> int:
         """Apply journal records on top of a restored snapshot; how many rounds and
-        expiries applied (worker bindings are applied and not counted).
-
-        A record at or behind a tensor's open round minus one was already in the
-        snapshot and is skipped; one beyond the open round means the journal does not
-        belong to the snapshot (ValueError).
-        """
-        applied = 0
+        expiries applied (see :func:`ps_server.durability.replay`)."""
         with self._cond:
-            for c in changes:
-                if c.binding is not None:
-                    worker, key, peer, since = c.binding
-                    if key is None:
-                        self.bindings.pop((c.tensor, worker), None)
-                    else:
-                        self.bindings[c.tensor, worker] = Binding(bytes.fromhex(key), peer,
-                                                                  since, self.clock())
-                    continue
-                if c.dropped:
-                    applied += self.tensors.pop(c.tensor, None) is not None
-                    continue
-                state = self.tensors.get(c.tensor)
-                if state is None:
-                    state = self.tensors[c.tensor] = self._new_state(c.numel, c.round)
-                if c.round < state.round:
-                    continue
-                if c.round > state.round:
-                    raise ValueError(f"journal record for round {c.round} of tensor "
-                                     f"{c.tensor!r}, but the snapshot is at round "
-                                     f"{state.round}")
-                if c.error is not None:
-                    state.last = Finished(c.round, error=c.error)
-                else:
-                    state.last = Finished(c.round, *self._aggregate(state, c.indices,
-                                                                    c.values, c.k))
-                state.round += 1
-                state.touched = self.clock()
-                applied += 1
-        return applied
+            return durability.replay(changes, self.mode, self.tensors, self.identity,
+                                     self.clock())
 
     def pop_events(self) -> list[tuple[str, int, str | None]]:
         """Rounds finished since the last call: (tensor, round, error or None)."""
@@ -501,45 +281,19 @@ class ShardStore:
             return self.snapshot(), changes, undurable
 
     def snapshot(self) -> dict[str, Any]:
-        """Everything a restarted server needs: rounds, residuals, last aggregates, and
-        the worker bindings (as :attr:`Change.binding` tuples with the session first)."""
+        """Everything a restarted server needs (:func:`ps_server.durability.snapshot`)."""
         with self._cond:
-            tensors = {}
-            for name, s in self.tensors.items():
-                last = s.last
-                tensors[name] = {
-                    "numel": s.numel, "round": s.round,
-                    "residual": None if s.residual is None else s.residual.copy(),
-                    "last": None if last is None else {
-                        "round": last.round, "error": last.error,
-                        "indices": last.indices, "values": last.values},
-                }
-            bindings = [[session, *b.record(worker)]
-                        for (session, worker), b in self.bindings.items()]
-            return {"workers": self.workers, "shard": self.shard, "shards": self.shards,
-                    "mode": self.mode, "tensors": tensors, "bindings": bindings}
+            return durability.snapshot(self._config(), self.tensors, self.identity)
 
     def restore(self, snapshot: dict[str, Any]) -> None:
         """Load a :meth:`snapshot`; refuses one from a differently configured server."""
-        mine = {"workers": self.workers, "shard": self.shard, "shards": self.shards,
-                "mode": self.mode}
-        theirs = {key: snapshot.get(key) for key in mine}
-        if theirs != mine:
-            raise ValueError(f"checkpoint was written by a server with {theirs}, this one "
-                             f"has {mine}: use a matching configuration or another "
-                             "--checkpoint-dir")
         with self._cond:
-            self.tensors = {}
             now = self.clock()
-            for name, t in snapshot["tensors"].items():
-                last = t["last"]
-                self.tensors[name] = TensorState(
-                    numel=t["numel"], round=t["round"], residual=t["residual"], touched=now,
-                    last=None if last is None else Finished(
-                        last["round"], last["indices"], last["values"], last["error"]))
-            self.bindings = {(session, worker): Binding(bytes.fromhex(key), peer, since, now)
-                             for session, worker, key, peer, since
-                             in snapshot.get("bindings", ())}
+            self.tensors = durability.restore(self._config(), snapshot, now)
+            self.identity.load(snapshot.get("bindings", ()), now)
+
+    def _config(self) -> dict[str, Any]:
+        return {key: getattr(self, key) for key in durability.CONFIG}
 
     def rounds(self) -> dict[str, int]:
         """The open round of every tensor."""
@@ -571,14 +325,9 @@ class ShardStore:
             raise RequestError(f"{frame.where()}: shard of {frame.numel} elements exceeds "
                                f"the server's limit of {self.max_numel} (--max-shard-numel)")
 
-    def _new_state(self, numel: int, round: int) -> TensorState:
-        state = TensorState(numel=numel, round=round, touched=self.clock())
-        if self.mode == "topk":
-            state.residual = np.zeros(numel, dtype=np.float32)
-        return state
-
     def _register(self, frame: Frame) -> TensorState:
-        state = self.tensors[frame.tensor] = self._new_state(frame.numel, frame.round)
+        state = new_state(self.mode, frame.numel, frame.round, self.clock())
+        self.tensors[frame.tensor] = state
         log.info("tensor %r registered at round %d (%d elements in this shard)",
                  frame.tensor, frame.round, frame.numel)
         return state
@@ -607,31 +356,13 @@ class ShardStore:
         pushes = [state.pushed[w] for w in sorted(state.pushed)]
         indices, values = sum_pushes(pushes, state.numel)
         k = max(f.count for f in pushes)
-        state.last = Finished(state.round, *self._aggregate(state, indices, values, k),
+        state.last = Finished(state.round, *aggregate(self.mode, state, indices, values, k),
                               durable=not self.durable)
         if self.durable:
             self.changes.append(Change(tensor, state.round, state.numel, indices, values, k))
             self._undurable.append((tensor, state.last))
         self.closed_rounds += 1
         self._finish(tensor, state, None)
-
-    def _aggregate(self, state: TensorState, indices: np.ndarray, values: np.ndarray,
-                   k: int) -> tuple[np.ndarray, np.ndarray]:
-        """The round's aggregate from the union sum (updating the top-k residual)."""
-        if self.mode == "topk":
-            total = state.residual.copy()
-            total[indices] += values
-            if np.isfinite(total).all():
-                k = min(k, state.numel)
-                indices = np.sort(np.argpartition(-np.abs(total), k - 1)[:k]) if k else \
-                    np.zeros(0, np.int64)
-                values = total[indices]
-                total[indices] = 0.0
-                state.residual = total
-            else:
-                indices = np.arange(state.numel)
-                values = total
-        return indices.astype(np.int64, copy=False), values.astype(np.float32, copy=False)
 
     def _fail(self, tensor: str, state: TensorState, error: str) -> None:
         state.last = Finished(state.round, error=error, durable=not self.durable)
@@ -672,16 +403,9 @@ class ShardStore:
     def _expire_bindings_locked(self, now: float) -> dict[str, int]:
         """Free the bindings idle for ``idle_timeout`` whose session has no tensor left;
         how many per session."""
-        stale = [key for key, b in self.bindings.items()
-                 if now - b.touched >= self.idle_timeout]
-        if not stale:
-            return {}
         live = {session_of(name) for name in self.tensors}
         freed: dict[str, int] = {}
-        for session, worker in stale:
-            if session in live:
-                continue
-            binding = self.bindings.pop((session, worker))
+        for session, worker, binding in self.identity.expire(now, live):
             freed[session] = freed.get(session, 0) + 1
             if self.durable:
                 self.changes.append(Change(session, binding=(worker, None, binding.peer,
@@ -770,38 +494,3 @@ class ShardStore:
         return FutureRound(f"{where} is ahead of the server, which is at round {state.round} "
                            f"(waiting for pushes from workers {waiting}); finish round "
                            f"{state.round} first")
-
-
-def release_memory() -> None:
-    """Give freed heap memory back to the operating system (glibc's ``malloc_trim``; a
-    no-op elsewhere). Arrays of a few KB come from the heap, which otherwise keeps the
-    pages of expired tensors: 2,000 expired top-k tensors left the RSS 70 MB higher
-    without it."""
-    if _libc is not None:
-        _libc.malloc_trim(0)
-
-
-def _load_libc() -> Any:
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-    except OSError:
-        return None
-    return libc if libc is not None and hasattr(libc, "malloc_trim") else None
-
-
-_libc = _load_libc()
-
-
-def sum_pushes(pushes: list[Frame], numel: int) -> tuple[np.ndarray, np.ndarray]:
-    """The union of the pushes' indices (increasing, int64) and the float32 sums there,
-    added in the order of ``pushes``."""
-    pairs = [(f.indices, f.values) for f in pushes]
-    merged = native_sparse.merge_sum(pairs)
-    if merged is not None:
-        return merged
-    acc = np.zeros(numel, dtype=np.float32)
-    for indices, values in pairs:
-        acc[indices] += values  # indices are unique within a frame
-    union = np.unique(np.concatenate([indices for indices, _ in pairs]))
-    return union, acc[union]

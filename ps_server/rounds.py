@@ -1,0 +1,143 @@
+"""A tensor's rounds on one shard: its state, the sum of a round's pushes and its aggregate.
+
+Per tensor, the shard keeps one open round ``r`` and the pushes received for it: a push
+of pairs ``(i_j, v_j)`` from worker ``w`` is decoded and checked, then held. When all
+``W`` workers have pushed, the round closes and its pushes are summed into
+``a = sum_w v_w`` on ``U``, the union of the pushed indices, in one merge over the sorted
+pushes (float32, added in worker order, so the result does not depend on arrival order):
+
+* mode ``union``: the aggregate is ``{(i, a[i]) : i in U}``, the exact sum;
+* mode ``topk``: with the dense server residual ``e``, ``s = a + e``; the aggregate is the ``k``
+  entries of largest ``|s_i|`` (``k`` = the most pairs any worker pushed this round) and
+  ``e <- s`` with those entries zeroed (error feedback on the server). A non-finite ``s``
+  is returned whole and ``e`` is kept, so workers detect it and skip the step.
+
+Round ``r + 1`` then opens. The last finished round's aggregate stays available to pulls.
+A retransmitted push (same worker, round and content, told apart by the frame's CRC) is
+a no-op; a second push with *different* content for the same (worker, round) is a
+conflict (:class:`~ps_server.errors.ConflictingPush`): the open round fails with an error
+naming the worker and both peers, so no worker applies a sum with one content or the
+other. Rounds before the last finished one are stale, rounds after the open one are in
+the future: both are rejected. The first push or pull of a round starts its deadline; a
+round still missing workers when it passes fails with an error naming them, and the next
+round opens. The first push of an unknown tensor fixes its round and size.
+
+:class:`~ps_server.store.ShardStore` runs this state machine for every tensor of a shard;
+see ``docs/parameter-server.md`` for the protocol.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from hvd_compress.native import sparse as native_sparse
+from hvd_compress.sparse_wire import Frame, ValueDType
+
+MODES = ("union", "topk")
+
+
+@dataclass
+class Finished:
+    """The outcome of a finished round: pairs, or the error that failed it."""
+
+    round: int
+    indices: np.ndarray | None = None
+    values: np.ndarray | None = None
+    error: str | None = None
+    encoded: dict[ValueDType, bytes] = field(default_factory=dict)
+    durable: bool = True  # False until the journal holds it; pulls wait until then
+
+
+@dataclass
+class TensorState:
+    """One tensor's shard: its open ``round`` and that round's pushes (with their content
+    digests and peers), the last finished round, the top-k residual and the time of its
+    last use."""
+
+    numel: int
+    round: int
+    pushed: dict[int, Frame] = field(default_factory=dict)  # this round's, by worker
+    digests: dict[int, tuple[int, str]] = field(default_factory=dict)  # (CRC, peer)
+    last_digests: dict[int, tuple[int, str]] = field(default_factory=dict)
+    opened: float | None = None
+    residual: np.ndarray | None = None
+    last: Finished | None = None
+    touched: float = 0.0
+
+    def nbytes(self) -> int:
+        """Bytes of arrays this tensor holds (pushes, residual, last aggregate)."""
+        held = sum(f.indices.nbytes + f.values.nbytes for f in self.pushed.values())
+        if self.residual is not None:
+            held += self.residual.nbytes
+        last = self.last
+        if last is not None and last.indices is not None:
+            held += last.indices.nbytes + last.values.nbytes
+            held += sum(len(b) for b in last.encoded.values())
+        return held
+
+
+def new_state(mode: str, numel: int, round: int, now: float) -> TensorState:
+    """A tensor first seen at ``round`` (with a zero residual in mode ``topk``)."""
+    state = TensorState(numel=numel, round=round, touched=now)
+    if mode == "topk":
+        state.residual = np.zeros(numel, dtype=np.float32)
+    return state
+
+
+def sum_pushes(pushes: list[Frame], numel: int) -> tuple[np.ndarray, np.ndarray]:
+    """The union of the pushes' indices (increasing, int64) and the float32 sums there,
+    added in the order of ``pushes``."""
+    pairs = [(f.indices, f.values) for f in pushes]
+    merged = native_sparse.merge_sum(pairs)
+    if merged is not None:
+        return merged
+    acc = np.zeros(numel, dtype=np.float32)
+    for indices, values in pairs:
+        acc[indices] += values  # indices are unique within a frame
+    union = np.unique(np.concatenate([indices for indices, _ in pairs]))
+    return union, acc[union]
+
+
+def aggregate(mode: str, state: TensorState, indices: np.ndarray, values: np.ndarray,
+              k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The round's aggregate from its union sum (updating ``state``'s top-k residual);
+    see the module docstring for both modes."""
+    if mode == "topk":
+        total = state.residual.copy()
+        total[indices] += values
+        if np.isfinite(total).all():
+            k = min(k, state.numel)
+            indices = np.sort(np.argpartition(-np.abs(total), k - 1)[:k]) if k else \
+                np.zeros(0, np.int64)
+            values = total[indices]
+            total[indices] = 0.0
+            state.residual = total
+        else:
+            indices = np.arange(state.numel)
+            values = total
+    return indices.astype(np.int64, copy=False), values.astype(np.float32, copy=False)
+
+
+def release_memory() -> None:
+    """Give freed heap memory back to the operating system (glibc's ``malloc_trim``; a
+    no-op elsewhere). Arrays of a few KB come from the heap, which otherwise keeps the
+    pages of expired tensors."""
+    if _libc is not None:
+        _libc.malloc_trim(0)
+
+
+def _load_libc() -> Any:
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+    return libc if libc is not None and hasattr(libc, "malloc_trim") else None
+
+
+_libc = _load_libc()
