@@ -8,14 +8,16 @@ messages: each names the argument, the value given and what to pass instead.
 
 - :func:`check_horovod_arguments`: ``op``, ``gradient_predivide_factor``,
   ``groups``/``num_groups`` and ``backward_passes_per_step``;
-- :func:`resolve_ps`: ``ps=`` and its default ``$HVD_COMPRESS_PS``;
+- :func:`resolve_ps`: ``ps=`` and its default ``$HVD_COMPRESS_PS``
+  (:data:`~hvd_compress.ps_protocol.PS_ENV`);
 - :func:`resolve_compression`: ``compression=`` as a scheme, including Horovod's own
   ``hvd.Compression.none``/``hvd.Compression.fp16`` of the binding's framework;
 - :func:`check_wrappable`: the wrapped optimizer is not one that exchanges by itself (the
   1-bit Adam family).
 
 (``init(ps="mpi")`` of both bindings is :func:`hvd_compress.mpmd.init`, and
-``connect_timeout=`` is checked by :func:`hvd_compress.comm.ps_client.check_timeout`.)
+``connect_timeout=`` is checked by
+:func:`hvd_compress.comm.ps_transport.base.check_timeout`.)
 
 Importing this module imports neither torch, TensorFlow nor Horovod. The Horovod module
 of the binding is passed in where its constants are needed, and Horovod's compressors are
@@ -30,9 +32,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-PS_ENV = "HVD_COMPRESS_PS"
-"""Where the servers are when ``ps=`` is not given (:func:`resolve_ps`): ``grpc://h:p,h:p``,
-``grpcs://...`` (TLS) or ``mpi``; also :data:`hvd_compress.comm.parameter_server.PS_ENV`."""
+from hvd_compress.ps_protocol import PS_ENV as PS_ENV  # re-exported: older imports
 
 FRAMEWORKS = ("torch", "tensorflow")
 """The bindings' frameworks, as named by Horovod's packages (``horovod.torch``,
@@ -106,13 +106,13 @@ def resolve_ps(ps: str | None) -> str | None:
     ``None``; ``None`` for no servers (``ps=""``, or neither given: ``ps=""`` turns the
     environment's servers off).
 
-    Checked for syntax only, nothing is contacted
-    (:func:`~hvd_compress.comm.parameter_server.check_spec`): ``ValueError`` naming the
-    bad address, where it came from (``ps=`` or ``$HVD_COMPRESS_PS``) and the accepted
-    forms; ``TypeError`` for a ``ps`` that is not a string. Returned stripped, ``"mpi"`` in
-    lower case.
+    Checked for syntax only by its transport, nothing is contacted
+    (:func:`~hvd_compress.comm.ps_transport.check_spec`): ``ValueError`` naming the bad
+    address, where it came from (``ps=`` or ``$HVD_COMPRESS_PS``) and the accepted forms;
+    ``TypeError`` for a ``ps`` that is not a string. Returned stripped, ``"mpi"`` in lower
+    case.
     """
-    from hvd_compress.comm.parameter_server import check_spec  # needs torch
+    from hvd_compress.comm.ps_transport import check_spec  # needs torch
 
     origin = "ps"
     if ps is None:

@@ -9,7 +9,7 @@ The design, the same for both bindings:
 
 - :func:`init` (``hvd_compress.torch.init`` and ``hvd_compress.tensorflow.init``) is the
   documented way: with ``ps="mpi"`` it splits the server ranks off ``MPI.COMM_WORLD``
-  (:func:`~hvd_compress.comm.parameter_server.init_mpi_workers`, the collective the servers
+  (:func:`~hvd_compress.comm.ps_transport.mpi.init_mpi_workers`, the collective the servers
   call at start-up) and starts Horovod on the workers' communicator.
 - Importing a binding under an MPMD ``mpirun`` (:func:`launched_mpmd`) wraps that
   binding's Horovod ``init`` (:func:`guard`). A call without ``comm=`` first takes part in
@@ -34,8 +34,10 @@ import os
 from types import ModuleType
 from typing import Any
 
-from hvd_compress.comm import parameter_server
-from hvd_compress.comm.parameter_server import PS_ENV, init_mpi_workers
+from hvd_compress.comm.ps_transport import find
+from hvd_compress.comm.ps_transport.base import Transport
+from hvd_compress.comm.ps_transport.mpi import init_mpi_workers, joined_client
+from hvd_compress.ps_protocol import PS_ENV
 
 MPMD_EXAMPLE = ("mpirun --allow-run-as-root --oversubscribe -np 2 python train.py --ps mpi "
                 ": -np 1 python -m ps_server --transport mpi --workers 2")
@@ -46,10 +48,8 @@ _GUARDED = "_hvd_compress_guarded"
 DEFAULT_CYCLE_TIME_MS = "10"
 """``HOROVOD_CYCLE_TIME`` that :func:`init` sets unless the environment sets one. Horovod's
 background thread runs a negotiation cycle every 1 ms by default, each one a small
-collective among all ranks even when nothing is pending: on 4 emulated hosts at
-100 Mbit/s that traffic was 5-10% of PowerSGD's bytes per step and its CPU competes with
-the ranks'. At 10 ms, PowerSGD's step was as fast or faster and its bytes 1.045x its
-payload instead of 1.10x (README, "Horovod's own knobs")."""
+collective among all ranks even when nothing is pending, whose bytes and CPU compete with
+the gradients'; 10 ms batches that traffic (the measurements: docs/benchmarks.md)."""
 
 
 MPI_DEFAULTS = {"OMPI_MCA_mpi_yield_when_idle": "1"}
@@ -61,8 +61,8 @@ collective, the MPI parameter-server client) polls for progress without pause, w
 a whole core; with it set, every idle poll calls ``sched_yield()`` so the ranks' compute,
 data loaders and Python threads sharing those cores run. ``mpirun`` turns it on by itself
 only when it knows a node is oversubscribed. With a core to spare per rank the cost is one
-system call per idle poll, a few microseconds of latency per message
-(``python -m hvd_compress.bench cluster --controllers gloo mpi`` measures both routes)."""
+system call per idle poll (``python -m hvd_compress.bench cluster --controllers gloo mpi``
+measures both routes)."""
 
 
 def app_contexts() -> int | None:
@@ -81,10 +81,18 @@ def _under_mpi_launcher() -> bool:
     return any(key in os.environ for key in ("OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMIX_RANK"))
 
 
-def wants_servers(ps: str | None) -> bool:
-    """Whether ``ps`` (``$HVD_COMPRESS_PS`` when ``None``) names MPI servers (``"mpi"``)."""
+def launch_transport(ps: str | None) -> Transport | None:
+    """The transport of ``ps`` (``$HVD_COMPRESS_PS`` when ``None``) when its servers are
+    ranks of this launch (``Transport.in_launch``: ``"mpi"``), else ``None``."""
     spec = ps if ps is not None else os.environ.get(PS_ENV, "")
-    return isinstance(spec, str) and spec.strip().lower() == "mpi"
+    transport = find(spec)
+    return transport if transport is not None and transport.in_launch else None
+
+
+def wants_servers(ps: str | None) -> bool:
+    """Whether ``ps`` (``$HVD_COMPRESS_PS`` when ``None``) names servers that are ranks of
+    this launch (:func:`launch_transport`)."""
+    return launch_transport(ps) is not None
 
 
 CONTROLLER_ENV = "HVD_COMPRESS_CONTROLLER"
@@ -117,24 +125,26 @@ def init(horovod: ModuleType, binding: str, ps: str | None = None,
                          f"{controller!r}")
     gloo_under_mpirun = controller == "gloo" and _under_mpi_launcher() \
         and os.environ.get("HOROVOD_CONTROLLER") != "gloo" and not horovod.is_initialized()
-    if gloo_under_mpirun and (wants_servers(ps) or "comm" in kwargs):
+    transport = launch_transport(ps)
+    if gloo_under_mpirun and (transport is not None or "comm" in kwargs):
         raise ValueError(f"{binding}.init(controller='gloo') starts Horovod on every rank of "
                          "MPI.COMM_WORLD; it cannot be combined with ps='mpi' or comm= (use "
                          "gRPC servers, or controller='horovod')")
     for key, value in MPI_DEFAULTS.items():
         os.environ.setdefault(key, value)
-    if wants_servers(ps):
+    if transport is not None:
+        name = transport.schemes[0]
         if "comm" in kwargs:
-            raise ValueError(f"{binding}.init(ps='mpi') makes the workers' communicator "
+            raise ValueError(f"{binding}.init(ps={name!r}) makes the workers' communicator "
                              "itself; do not pass comm=")
         contexts = app_contexts()
         if contexts == 1 or (contexts is None and not _under_mpi_launcher()):
             where = ("this mpirun has one app context" if contexts == 1
                      else "this process was not started by mpirun")
-            raise ValueError(f"{binding}.init(ps='mpi') needs parameter-server ranks in the "
+            raise ValueError(f"{binding}.init(ps={name!r}) needs parameter-server ranks in the "
                              f"same MPMD mpirun, but {where}; launch e.g. {MPMD_EXAMPLE}, "
                              "or use gRPC servers (ps='grpc://host:port')")
-        kwargs["comm"] = init_mpi_workers()
+        kwargs["comm"] = transport.start_workers()
     os.environ.setdefault("HOROVOD_CYCLE_TIME", DEFAULT_CYCLE_TIME_MS)
     if gloo_under_mpirun:
         from hvd_compress.mpi_gloo import start_gloo_controller
@@ -174,7 +184,7 @@ def _refuse_world_with_servers(binding: str) -> None:
         init_mpi_workers()
     except ValueError:
         return
-    client = parameter_server._mpi_client
+    client = joined_client()
     servers = client.servers if client is not None else []
     raise RuntimeError(
         f"hvd.init() was called without comm= in an MPMD mpirun whose MPI.COMM_WORLD ranks "

@@ -1,8 +1,14 @@
-"""Names and envelopes shared by the parameter-server client and server (no torch).
+"""Names, environment variables and envelopes shared by the parameter-server client and
+server (no torch): the one home of every ``HVD_COMPRESS_PS*`` name a user sets.
 
-Imported by :mod:`hvd_compress.comm.ps_client` (workers) and :mod:`ps_server` (which must
-run without torch, TensorFlow or Horovod: numpy, grpcio, mpi4py and the native sparse
-kernels only). The frames themselves are :mod:`hvd_compress.sparse_wire`.
+Imported by the client's transports (:mod:`hvd_compress.comm.ps_transport`), the bindings
+(:mod:`hvd_compress.binding`) and :mod:`ps_server` (which must run without torch,
+TensorFlow or Horovod: numpy, grpcio, mpi4py and the native sparse kernels only). The
+frames themselves are :mod:`hvd_compress.sparse_wire`.
+
+Environment
+    :data:`PS_ENV` (where the servers are when ``ps=`` is not given), :data:`TOKEN_ENV`,
+    :data:`CA_ENV`, :data:`CONNECT_TIMEOUT_ENV` and :data:`RETRY_TIMEOUT_ENV`.
 
 gRPC
     Service :data:`GRPC_SERVICE` with unary-unary methods ``Push`` and ``Pull``
@@ -11,7 +17,7 @@ gRPC
     health service carries metadata ``authorization: Bearer <token>``
     (:func:`token_metadata`); the token comes from ``$HVD_COMPRESS_PS_TOKEN``
     (:data:`TOKEN_ENV`) when not given explicitly. Every push and pull of
-    :class:`~hvd_compress.comm.ps_client.PSClient` also carries the worker's identity,
+    :class:`~hvd_compress.comm.ps_transport.grpc.PSClient` also carries the worker's identity,
     binary metadata :data:`IDENTITY_METADATA` (:func:`identity_metadata`): a random
     secret the client process draws once, its worker id and the tensor's session. The
     server binds each (session, worker) to the first secret it sees and refuses, from the
@@ -35,13 +41,26 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+PS_ENV = "HVD_COMPRESS_PS"
+"""Where the servers are when ``ps=`` is not given: a spec that
+:func:`hvd_compress.comm.ps_transport.check_spec` accepts (``grpc://h:p,h:p``,
+``grpcs://...`` for TLS, or ``mpi``); empty means no servers."""
+TOKEN_ENV = "HVD_COMPRESS_PS_TOKEN"
+"""The servers' bearer token when ``token=`` (client) or ``--token-file`` (server) is not
+given."""
+CA_ENV = "HVD_COMPRESS_PS_CA"
+"""Path of the PEM certificate a worker trusts for ``grpcs://`` servers."""
+CONNECT_TIMEOUT_ENV = "HVD_COMPRESS_PS_CONNECT_TIMEOUT"
+"""Default seconds a gRPC client retries a server it never reached."""
+RETRY_TIMEOUT_ENV = "HVD_COMPRESS_PS_RETRY_TIMEOUT"
+"""Default seconds a gRPC client retries a server that answered before (a restart)."""
+
 GRPC_SERVICE = "hvd_compress.ps.ParameterServer"
 GRPC_PUSH = f"/{GRPC_SERVICE}/Push"
 GRPC_PULL = f"/{GRPC_SERVICE}/Pull"
 PUSH_ACCEPTED = b"accepted"
 PUSH_DUPLICATE = b"duplicate"
 TOKEN_METADATA = "authorization"
-TOKEN_ENV = "HVD_COMPRESS_PS_TOKEN"
 JOB_SIZE_METADATA = "hvd-job-workers"  # the client's number of workers, on every call
 IDENTITY_METADATA = "hvd-worker-identity-bin"  # secret + u32 worker + session (UTF-8)
 WORKER_SECRET_BYTES = 16
@@ -58,7 +77,7 @@ def token_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
 
 def session_of(tensor: str) -> str:
     """The session of a tensor name: its part before the first ``/`` (the whole name
-    when there is none). :class:`~hvd_compress.comm.parameter_server.ParameterServer`
+    when there is none). :class:`~hvd_compress.comm.parameter_server.ParameterServerCommunicator`
     names tensors ``<session>/<collective name>``."""
     return tensor.split("/", 1)[0]
 
@@ -122,7 +141,7 @@ def split_world(world: Any, role: str, shard: int | None = None,
     """Collective over ``world``: split workers from servers and exchange who is who.
 
     Every rank calls it once (workers through
-    :class:`~hvd_compress.comm.ps_client.MPIPSClient`, servers through
+    :class:`~hvd_compress.comm.ps_transport.mpi.MPIPSClient`, servers through
     ``python -m ps_server --transport mpi``). Returns ``(sub, index, servers, workers)``:
     the communicator of this rank's role (workers pass it to ``hvd.init(comm=sub)``), this
     rank's index in it (a worker's id; a server's default shard), the world rank of each

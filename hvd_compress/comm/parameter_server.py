@@ -1,98 +1,29 @@
 """A communicator that sends sparse sums to parameter servers and everything else through
-Horovod (or any other communicator)."""
+Horovod (or any other communicator).
+
+The client comes from :func:`connect`, which picks the transport by the spec's scheme
+(:mod:`hvd_compress.comm.ps_transport`); :func:`check_spec`, :func:`connect`,
+:func:`init_mpi_workers`, :data:`PS_ENV` and :data:`CA_ENV` are re-exported here for the
+bindings and older imports.
+"""
 
 from __future__ import annotations
 
-import atexit
-import os
 from collections import defaultdict
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from hvd_compress.binding import PS_ENV as PS_ENV  # re-exported: ps= when not given
 from hvd_compress.comm.base import Communicator
 from hvd_compress.comm.ops import Collective, SparseSum, sum_pairs
-from hvd_compress.comm.ps_client import (
-    ACCEPTED_FORMS,
-    MPIPSClient,
-    PendingRound,
-    PSClient,
-    parse_addresses,
-)
+from hvd_compress.comm.ps_transport import check_spec as check_spec
+from hvd_compress.comm.ps_transport import connect as connect
+from hvd_compress.comm.ps_transport.base import PendingRound, ShardedClient
+from hvd_compress.comm.ps_transport.mpi import init_mpi_workers as init_mpi_workers
 from hvd_compress.comm.staging import pairs_to_device
-
-CA_ENV = "HVD_COMPRESS_PS_CA"
-"""Path of the PEM certificate to trust for ``grpcs://`` servers."""
-
-_mpi_client: MPIPSClient | None = None
-
-
-def init_mpi_workers() -> Any:
-    """Join an MPMD ``mpirun`` whose other ranks run ``python -m ps_server --transport mpi``.
-
-    Collective over ``MPI.COMM_WORLD`` (servers call their side at start-up). Returns the
-    workers' communicator, to pass to ``hvd.init(comm=...)``; ``ps="mpi"`` then uses this
-    connection. Calling it again returns the same communicator. At exit, the process tells
-    the servers it is done (they exit when every worker has).
-    """
-    global _mpi_client
-    if _mpi_client is None:
-        _mpi_client = MPIPSClient()
-        # The servers exit once every worker has said goodbye; atexit runs this before
-        # mpi4py finalizes MPI (registered earlier, so run later).
-        atexit.register(_mpi_client.close)
-    return _mpi_client.comm
-
-
-def check_spec(spec: str, origin: str = "ps") -> str:
-    """``spec`` checked for syntax only (nothing is contacted): ``"mpi"``, or the servers'
-    addresses as :func:`~hvd_compress.comm.ps_client.parse_addresses` accepts them.
-
-    Returns it stripped (``"mpi"`` in lower case). Raises ``ValueError`` naming the bad
-    address and the accepted forms, ``TypeError`` when ``spec`` is not a string; ``origin``
-    names where it came from in the message (``"ps"``, or ``"$HVD_COMPRESS_PS"``).
-    """
-    if not isinstance(spec, str):
-        raise TypeError(f"{origin} must be a string, {ACCEPTED_FORMS}; got "
-                        f"{type(spec).__name__} {spec!r}")
-    spec = spec.strip()
-    if spec.lower() == "mpi":
-        return "mpi"
-    parse_addresses(spec, origin)
-    return spec
-
-
-def connect(spec: str, worker: int, *, workers: int | None = None,
-            connect_timeout: float | None = None, retry_timeout: float | None = None
-            ) -> PSClient | MPIPSClient:
-    """The client for ``spec`` (see :data:`PS_ENV`), as worker ``worker`` of a job of
-    ``workers`` (told to gRPC servers, which refuse another ``--workers``; the
-    communicator sets it from its size when not given here).
-
-    ``connect_timeout`` and ``retry_timeout`` are :class:`PSClient`'s (defaults from
-    ``$HVD_COMPRESS_PS_CONNECT_TIMEOUT`` and ``$HVD_COMPRESS_PS_RETRY_TIMEOUT``); the MPI
-    transport has no connection to wait for and ignores them.
-    """
-    if check_spec(spec) == "mpi":
-        if _mpi_client is None:
-            raise RuntimeError("ps='mpi' needs the MPI connection to the servers first: call "
-                               "hvd_compress.torch.init(ps='mpi') (or, with TensorFlow, "
-                               "hvd_compress.tensorflow.init(ps='mpi')) instead of "
-                               "hvd.init(); it splits the servers off MPI.COMM_WORLD and "
-                               "starts Horovod on the workers")
-        if _mpi_client.worker != worker:
-            raise RuntimeError(f"Horovod rank {worker} differs from this process's worker id "
-                               f"{_mpi_client.worker} among the MPI workers; start Horovod "
-                               "with hvd_compress.torch.init(ps='mpi') or "
-                               "hvd_compress.tensorflow.init(ps='mpi')")
-        return _mpi_client
-    ca = os.environ.get(CA_ENV)
-    return PSClient(spec, worker, root_certificates=Path(ca).read_bytes() if ca else None,
-                    workers=workers, connect_timeout=connect_timeout,
-                    retry_timeout=retry_timeout)
+from hvd_compress.ps_protocol import CA_ENV as CA_ENV  # re-exported: older imports
+from hvd_compress.ps_protocol import PS_ENV as PS_ENV  # re-exported: ps= when not given
 
 
 @dataclass
@@ -114,14 +45,12 @@ class ParameterServerCommunicator:
     ``wait`` pulls the aggregate.
     """
 
-    def __init__(self, dense: Communicator, client: PSClient | MPIPSClient,
-                 session: str) -> None:
+    def __init__(self, dense: Communicator, client: ShardedClient, session: str) -> None:
         if client.worker != dense.rank:
             raise ValueError(f"parameter-server worker id {client.worker} differs from the "
                              f"rank {dense.rank}; each rank must push as its own worker")
         self.dense, self.client, self.session = dense, client, session
-        if isinstance(client, PSClient) and client.job_size is None:
-            client.job_size = dense.size  # the servers check it against their --workers
+        client.expect_workers(dense.size)  # servers that are told check their --workers
         self.rank, self.size = dense.rank, dense.size
         self.ordered = getattr(dense, "ordered", False)
         self._rounds: dict[str, int] = defaultdict(int)
