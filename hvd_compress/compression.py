@@ -1,4 +1,9 @@
-"""``Compression``: every scheme under one name, as Horovod names its compressors."""
+"""``Compression``: every scheme under one name, as Horovod names its compressors.
+
+The schemes are those of the table in :mod:`hvd_compress.registry` and the ones added with
+:func:`~hvd_compress.registry.register_scheme` (also ``Compression.register``):
+``Compression.<name>`` looks the name up there, and :data:`SCHEME_NAMES` lists them.
+"""
 
 from __future__ import annotations
 
@@ -7,40 +12,38 @@ import inspect
 import typing
 from typing import Any
 
+from hvd_compress import registry
+from hvd_compress.registry import register_scheme
 from hvd_compress.schemes.auto import Auto
 from hvd_compress.schemes.base import Scheme
-from hvd_compress.schemes.dense import BF16, FP16, NoCompression
-from hvd_compress.schemes.dgc import DGC
-from hvd_compress.schemes.onebit import OneBit
-from hvd_compress.schemes.powersgd import PowerSGD
-from hvd_compress.schemes.qsgd import QSGD
-from hvd_compress.schemes.randomk import RandomK
-from hvd_compress.schemes.terngrad import TernGrad
-from hvd_compress.schemes.threshold import Threshold
-from hvd_compress.schemes.topk import TopK
-from hvd_compress.schemes.vote import MajorityVote
+
+DEFAULT_AUTO_SCHEME = "powersgd:rank=4"
+"""The scheme ``Compression.auto`` uses where it pays, unless told otherwise."""
 
 
-class Compression:
+class _Schemes(type):
+    """``Compression.<name>``: the scheme of that name in the registry."""
+
+    def __getattr__(cls, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        try:
+            return registry.lookup(name)
+        except KeyError:
+            raise AttributeError(f"Compression has no scheme {name!r}; the schemes are "
+                                 f"{', '.join(registry.names())}") from None
+
+    def __dir__(cls) -> list[str]:
+        return sorted({*super().__dir__(), *registry.names()})
+
+
+class Compression(metaclass=_Schemes):
     """The schemes to pass as ``compression=``.
 
     ``none``, ``fp16`` and ``bf16`` are ready-made objects (``none`` and ``fp16`` also work
     with Horovod's own ``hvd.DistributedOptimizer``); calling one, ``Compression.fp16()``,
     returns the object itself, so both spellings mean the same. The others are constructors
-    taking the scheme's options, each documented on its class with the paper's formulas::
-
-        Compression.onebit(bucket_size=2048, loco_beta=0.0, start_iter=0)
-        Compression.qsgd(bits=4, bucket_size=512, norm='max', error_feedback=False, loco_beta=0.0)
-        Compression.terngrad(bucket_size=512, clip=2.5, error_feedback=False, loco_beta=0.0)
-        Compression.powersgd(rank=4, start_iter=10, min_compression_rate=2, warm_start=True,
-                             loco_beta=0.0)
-        Compression.topk(ratio=0.001, values='fp32', loco_beta=0.0)
-        Compression.randomk(ratio=0.01, loco_beta=0.0, error_feedback=True,
-                            unbiased=False, start_iter=0)
-        Compression.threshold(tau=1e-3, max_ratio=0.1, values='fp32', loco_beta=0.0)
-        Compression.dgc(ratio=0.001, momentum=0.9, clip_norm=None, warmup_steps=0,
-                        sample_ratio=0.01, values='fp32')
-        Compression.vote(momentum=0.0)   # signSGD / Signum with majority vote
+    taking the scheme's options, each documented on its class with the paper's formulas.
 
     Top-k, threshold and DGC pairs are summed by the parameter server given as the optimizer's
     ``ps=`` (or by Horovod ``allgather`` without one); ``values='fp16'`` halves the
@@ -48,27 +51,20 @@ class Compression:
 
     ``Compression.auto(scheme)`` sends each tensor dense, as float16 or with ``scheme``,
     whichever a cost model measured on the job's own links predicts is fastest
-    (:mod:`hvd_compress.schemes.auto`); as a string, ``"auto:powersgd:rank=4"``.
+    (:mod:`hvd_compress.policy`); as a string, ``"auto:powersgd:rank=4"``.
+
+    A scheme of your own: ``Compression.register("name", SchemeClass)``
+    (:func:`~hvd_compress.registry.register_scheme`). The schemes and their defaults::
     """
 
-    none = NoCompression()
-    fp16 = FP16()
-    bf16 = BF16()
-    onebit = OneBit
-    qsgd = QSGD
-    terngrad = TernGrad
-    powersgd = PowerSGD
-    topk = TopK
-    randomk = RandomK
-    threshold = Threshold
-    dgc = DGC
-    vote = MajorityVote
-    auto = Auto
+    register = staticmethod(register_scheme)
 
     @classmethod
-    def parse(cls, spec: str) -> Scheme:
+    def parse(cls, spec: str) -> Scheme | Auto:
         """A scheme from a command-line string: ``"fp16"``, ``"onebit"``,
-        ``"qsgd:bits=8,bucket_size=256"``, ``"powersgd:rank=2,start_iter=0"``.
+        ``"qsgd:bits=8,bucket_size=256"``, ``"powersgd:rank=2,start_iter=0"``,
+        ``"auto:powersgd:rank=4"`` (``auto:`` then the spec of the scheme it uses where it
+        pays; ``"auto"`` alone uses :data:`DEFAULT_AUTO_SCHEME`).
 
         Values are Python literals (``True``, ``None``, ``2.5``, ``'max'``; ``true``/``false``
         also work, and a bare word is a string). Raises ``ValueError`` naming the problem
@@ -80,12 +76,12 @@ class Compression:
                             f"{type(spec).__name__} {spec!r}")
         name, _, arg_text = spec.partition(":")
         name = name.strip().lower()
-        if name not in SCHEME_NAMES:
+        if name not in registry.names():
             raise ValueError(f"unknown compression scheme {name!r} in {spec!r}; choose from "
-                             f"{', '.join(SCHEME_NAMES)}")
-        factory = getattr(cls, name)
-        if factory is Auto:  # "auto:<scheme spec>": the scheme it uses where it pays
-            return Auto(arg_text.strip() or "powersgd:rank=4")
+                             f"{', '.join(registry.names())}")
+        if name == "auto":
+            return auto(arg_text.strip() or DEFAULT_AUTO_SCHEME)
+        factory = registry.lookup(name)
         options = {} if isinstance(factory, Scheme) else scheme_options(factory)
         kwargs: dict[str, Any] = {}
         for item in filter(None, (part.strip() for part in arg_text.split(","))):
@@ -106,11 +102,23 @@ class Compression:
         return factory(**kwargs)
 
 
-def scheme_options(factory: type[Scheme]) -> dict[str, Any]:
-    """A scheme class's constructor options and their annotated types, in order."""
-    hints = typing.get_type_hints(factory.__init__)
+def auto(scheme: Scheme | str = DEFAULT_AUTO_SCHEME, **options: Any) -> Auto:
+    """``Compression.auto``: route each tensor dense, as float16 or with ``scheme`` (a
+    scheme, or a spec string for :meth:`Compression.parse`), whichever the cost model
+    predicts is fastest. ``options`` are :class:`~hvd_compress.policy.Auto`'s (``fp16``,
+    ``recheck_every``, ``tolerance``, ``probe_seconds``)."""
+    if isinstance(scheme, str):
+        scheme = Compression.parse(scheme)
+    return Auto(scheme, **options)
+
+
+def scheme_options(factory: Any) -> dict[str, Any]:
+    """A scheme class's (or factory function's) options and their annotated types, in
+    order; ``**kwargs`` and ``*args`` are left out."""
+    hints = typing.get_type_hints(factory.__init__ if isinstance(factory, type) else factory)
     return {name: hints.get(name, Any)
-            for name in inspect.signature(factory).parameters}
+            for name, p in inspect.signature(factory).parameters.items()
+            if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
 
 
 _TYPE_NAMES = {int: "an integer (int)", float: "a number (float)", bool: "True or False (bool)",
@@ -156,5 +164,40 @@ def _option_value(scheme: str, key: str, text: str, expected: Any, spec: str) ->
     return value
 
 
-SCHEME_NAMES = ("none", "fp16", "bf16", "onebit", "qsgd", "terngrad", "powersgd", "topk",
-                "randomk", "dgc", "vote", "threshold", "auto")
+def _signature(name: str, factory: Any) -> str:
+    """``Compression.<name>(option=default, ...)``, or ``Compression.<name>`` for a
+    ready-made scheme object."""
+    if isinstance(factory, Scheme):
+        return f"Compression.{name}"
+    params = []
+    for param in inspect.signature(factory).parameters.values():
+        if param.kind is param.VAR_KEYWORD:
+            params.append(f"**{param.name}")
+        elif param.default is param.empty:
+            params.append(param.name)
+        else:
+            params.append(f"{param.name}={param.default!r}")
+    return f"Compression.{name}({', '.join(params)})"
+
+
+def _listing(indent: str = "    ", width: int = 92) -> str:
+    """The built-in schemes and their options, one signature each (wrapped)."""
+    lines = []
+    for entry in registry.TABLE:
+        text = _signature(entry.name, registry.lookup(entry.name))
+        while len(text) > width:
+            cut = text.rindex(", ", 0, width) + 1
+            lines.append(indent + text[:cut])
+            text = " " * (len(entry.name) + 13) + text[cut:].lstrip()
+        lines.append(indent + text)
+    return "\n".join(lines)
+
+
+Compression.__doc__ = f"{Compression.__doc__}\n{_listing()}\n"
+
+
+def __getattr__(name: str) -> Any:
+    """``SCHEME_NAMES``: every scheme's name (the table's, then those registered)."""
+    if name == "SCHEME_NAMES":
+        return registry.names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -31,8 +31,6 @@ KNOWN_DEFERRED = {
      "hvd_compress.bench.cluster_rank"):
         "bench: cluster_rank imports converge_rank's CharTransformer in a function, "
         "converge_rank imports cluster_rank's digits helpers at module level",
-    ("hvd_compress.compression", "hvd_compress.schemes.auto", "hvd_compress.compression"):
-        "Compression.auto parses its scheme string with Compression.parse",
 }
 """Cycles closed only by an import inside a function that are still there, with why; the
 test of each one fails once it is gone, so that it is taken off this list."""

@@ -13,23 +13,11 @@ and security campaign.
 
 from __future__ import annotations
 
-SCHEMES = (
-    "none",
-    "fp16",
-    "bf16",
-    "onebit",
-    "qsgd:bits=4",
-    "qsgd:bits=8",
-    "terngrad",
-    "powersgd:rank=4,start_iter=0",
-    "powersgd:rank=1,start_iter=0",
-)
-"""The dense schemes benchmarked, as :meth:`hvd_compress.Compression.parse` spec strings."""
+from hvd_compress import registry
 
-SPARSE_SCHEMES = (
-    "topk:ratio=0.001",
-    "topk:ratio=0.001,values=fp16",
-    "dgc:ratio=0.001",
-    "randomk:ratio=0.01",
-)
+SCHEMES = registry.bench_specs(sparse=False)
+"""The dense schemes benchmarked, as :meth:`hvd_compress.Compression.parse` spec strings
+(each scheme's ``bench`` specs in :data:`hvd_compress.registry.TABLE`)."""
+
+SPARSE_SCHEMES = registry.bench_specs(sparse=True)
 """The sparse schemes of the wire benchmark (their pairs' coded index and value bytes)."""

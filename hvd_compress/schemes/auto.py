@@ -146,8 +146,8 @@ class Auto(Scheme):
     (module docstring) predicts is fastest on the job's own links and devices.
 
     Args:
-        scheme: the compression to use where it pays (a scheme or a
-            :meth:`~hvd_compress.Compression.parse` string). Default PowerSGD rank 4.
+        scheme: the compression to use where it pays. ``Compression.auto`` also takes a
+            :meth:`~hvd_compress.Compression.parse` string, and defaults to PowerSGD rank 4.
         fp16: also consider float16 (default ``True``).
         recheck_every: compare the measured exchange time with the prediction every this
             many steps, and decide again when they disagree (default 50; 0: never).
@@ -166,13 +166,13 @@ class Auto(Scheme):
 
     name = "auto"
 
-    def __init__(self, scheme: Scheme | str = "powersgd:rank=4", fp16: bool = True,
+    def __init__(self, scheme: Scheme, fp16: bool = True,
                  recheck_every: int = 50, tolerance: float = 0.5,
                  probe_seconds: float = 0.05) -> None:
         if isinstance(scheme, str):
-            from hvd_compress.compression import Compression
-
-            scheme = Compression.parse(scheme)
+            raise TypeError(f"auto: scheme must be a scheme object; for a spec string use "
+                            f"Compression.auto({scheme!r}) or Compression.parse('auto:"
+                            f"{scheme}')")
         if not isinstance(scheme, Scheme) or isinstance(scheme, Auto):
             raise TypeError(f"auto: scheme must be a compression scheme other than auto, got "
                             f"{scheme!r}")
