@@ -8,10 +8,9 @@ trains the same MLP on those hosts, one launch (fresh processes) per configurati
 
 - PyTorch DDP on Gloo: no hook, ``fp16_compress_hook``, ``powerSGD_hook`` and
   ``batched_powerSGD_hook`` at the same rank
-  and start iteration as ours (one bucket: the default buckets deadlocked at 4 ranks);
+  and start iteration as ours (one bucket: the default buckets can deadlock at 4 ranks);
 - stock Horovod: ``Compression.none`` and ``Compression.fp16``, on Horovod's Gloo
-  controller (``horovod``) and under ``mpirun`` (``horovod-mpi``), its faster setting at
-  every rate measured here;
+  controller (``horovod``) and under ``mpirun`` (``horovod-mpi``);
 - hvd-compress: each scheme given, sparse ones through Horovod ``allgather`` and, with
   ``@ps`` after the spec, through a gRPC parameter server on its own host; with ``@gloo``
   after the spec, its dense rounds on a ``torch.distributed`` Gloo group instead of
@@ -324,8 +323,8 @@ def _launch(system: System, plan: Plan, model: str, addresses: list[str], direct
 def horovod_settings(plan: Plan) -> dict[str, str]:
     """Horovod's environment for every Horovod-based system of the plan (stock and ours
     alike): ``HOROVOD_CYCLE_TIME`` when the plan sets it (by default 10 ms, what
-    :func:`hvd_compress.torch.init` sets: faster than Horovod's 1 ms for stock Horovod and
-    for hvd-compress here, README "Horovod's own knobs"), and the plan's ``horovod_env``."""
+    :func:`hvd_compress.torch.init` sets; docs/benchmarks.md compares cycle times), and
+    the plan's ``horovod_env``."""
     cycle = {"HOROVOD_CYCLE_TIME": f"{plan.cycle_time_ms:g}"} if plan.cycle_time_ms else {}
     return {**cycle, **plan.horovod_env}
 

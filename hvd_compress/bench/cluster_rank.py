@@ -229,7 +229,7 @@ class _System:
         batched = scheme.startswith(BATCHED)
         if scheme.startswith("powersgd") or batched:
             # One bucket: with DDP's default 25 MB buckets the hook's collectives, issued
-            # from asynchronous callbacks, deadlocked at 4 ranks on this machine.
+            # from asynchronous callbacks, can deadlock at 4 ranks.
             ddp = DistributedDataParallel(model, bucket_cap_mb=1000, init_sync=False)
             spec = Compression.parse(scheme.removeprefix("batched-"))
             assert isinstance(spec, PowerSGD)

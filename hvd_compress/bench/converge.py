@@ -3,7 +3,7 @@ compression? Held-out loss and accuracy against steps and bytes, on 2 ranks.
 
 Two tasks, every configuration trained with the same seed, the same batches and the same
 number of steps as the uncompressed run of its task (:mod:`hvd_compress.bench.converge_rank`
-runs them all, one after the other, in one ``horovodrun --gloo`` launch on this machine):
+runs them all, one after the other, in one ``horovodrun --gloo`` launch on localhost):
 
 - ``lm``: a character-level transformer (2 pre-norm layers, width 128, 4 heads, context 64;
   431 K parameters) on the English text of CPython's ``pydoc_data.topics``, AdamW with a
@@ -90,12 +90,9 @@ def recommended(task: str, steps: int) -> list[Config]:
         # Error feedback under Adam: a coordinate that travels every T steps arrives with
         # the sum of T gradients, so Adam's second moment grows about T-fold and its step
         # shrinks by sqrt(T). The learning rate of a sparsifier sending a fraction `ratio`
-        # is scaled by 1/sqrt(ratio) (top-k at ratio 0.1: 1.831 at lr 3e-3, 1.671 at
-        # 9.5e-3, against 1.687 uncompressed; at ratio 0.01: 2.152 at 3e-3, 2.537 at
-        # 0.03). Unbiased noise (TernGrad without error feedback) inflates the second
-        # moment too: twice the lr (1.674; with error feedback 2.540 at 3e-3, bucket 32
-        # 2.234 at 3e-3 and 2.061 at 6e-3). PowerSGD: rank 8 reached 1.774 at 3e-3,
-        # rank 16 at 1.5 times the lr 1.638.
+        # is scaled by 1/sqrt(ratio). Unbiased noise (TernGrad without error feedback)
+        # inflates the second moment too: twice the lr. PowerSGD: rank 16 at 1.5 times
+        # the lr. The tuning runs behind these settings are in docs/benchmarks.md.
         sparse = {**opt, "lr": round(opt["lr"] / 0.1 ** 0.5, 4)}
         scaled = {**opt, "lr": 1.5 * opt["lr"]}
         doubled = {**opt, "lr": 2 * opt["lr"]}
@@ -111,18 +108,11 @@ def recommended(task: str, steps: int) -> list[Config]:
                    f"powersgd:rank=32,start_iter={start},alternate=True", scaled,
                    warmup_steps=start),
             # 1-bit: its dense warm-up (start_iter, 10% of the steps, as PowerSGD's) lets
-            # Adam's second moment start from exact gradients. With it, by bucket size and
-            # lr: 16 at 9e-3 1.649; 32 at 3e-3 1.822, at 6e-3 1.689, at 9e-3 1.641; 64 at
-            # 6e-3 1.699, at 9e-3 1.662; 128 at 6e-3 1.704, at 9e-3 1.673; 256 at 9e-3
-            # 1.754; 512 at 9e-3 1.779; 2048 at 3e-3 1.940, at 9e-3 1.794. Bucket 32 at
-            # 9e-3 by warm-up length: 10 steps 1.732, 20 1.721, 40 1.641, 80 1.629. Without
-            # it (none within 5%): 2048 at 3e-3 2.205 (at 0.012, 2.820 after 200 steps); 64
-            # at 3e-3 1.897, at 6e-3 1.815, at 0.012 1.899; 32 at 9e-3 1.784, at 0.015
-            # 1.956; 16 at 6e-3 1.800.
+            # Adam's second moment start from exact gradients; small buckets at 3 times
+            # the lr (OneBit.trains_under_adam).
             Config(task, "onebit", f"onebit:bucket_size=32,start_iter={start}",
                    {**opt, "lr": 3 * opt["lr"]}, warmup_steps=start),
-            # LoCo's moving-average residual (beta 0.8, DeepSpeed's) against the plain one
-            # (without the warm-up it gave 1.780 against 1.784).
+            # LoCo's moving-average residual (beta 0.8, DeepSpeed's) against the plain one.
             Config(task, "onebit-loco", f"onebit:bucket_size=32,start_iter={start},"
                    "loco_beta=0.8", {**opt, "lr": 3 * opt["lr"]}, warmup_steps=start),
             Config(task, "qsgd", "qsgd:bits=8", opt),
@@ -131,18 +121,13 @@ def recommended(task: str, steps: int) -> list[Config]:
             Config(task, "topk-loco", "topk:ratio=0.1,loco_beta=0.8", sparse),
             Config(task, "dgc", "dgc:ratio=0.1,momentum=0.0", sparse),
             # Random-k without error feedback, at the sparsifiers' lr / sqrt(ratio) (Adam's
-            # moments both shrink by the ratio, its step by sqrt(ratio)): 0.3 at 5.5e-3
-            # 1.679 (at 3e-3 1.848; n/k-scaled, unbiased=True, 1.679; with a 10% dense
-            # warm-up 1.779); 0.2 at 6.7e-3 1.709; 0.1 at 9.5e-3 1.765, at 6e-3 1.821.
-            # With error feedback, by ratio and lr: 0.1 at 3e-3 2.238, at 9.5e-3 2.397; 0.3
-            # at 1.5e-3 2.189, at 3e-3 2.070, at 5.5e-3 2.026; with a 10% dense warm-up,
-            # 0.3 at 3e-3 1.927, at 5.5e-3 1.833.
+            # moments both shrink by the ratio, its step by sqrt(ratio);
+            # RandomK.trains_under_adam).
             Config(task, "randomk", "randomk:ratio=0.3,error_feedback=False",
                    {**opt, "lr": round(opt["lr"] / 0.3 ** 0.5, 4)}),
             Config(task, "signum", "vote:momentum=0.9",
                    {"kind": "sgd", "lr": 2e-3, "momentum": 0.0}, ALL_TENSORS),
-            # Routes the large matrices to PowerSGD, so PowerSGD's learning rate (at 3e-3:
-            # 1.725, +2.27%).
+            # Routes the large matrices to PowerSGD, so PowerSGD's learning rate.
             Config(task, "auto", f"auto:{powersgd}", scaled, warmup_steps=start),
             Config(task, "onebit-adam", None,
                    {"kind": "onebit_adam", "lr": opt["lr"], "freeze_step": freeze},
@@ -156,9 +141,7 @@ def recommended(task: str, steps: int) -> list[Config]:
     if task == "digits":
         opt = DIGITS_OPTIMIZER
         no_momentum = {**opt, "momentum": 0.0}
-        # 1-bit and random-k: momentum 0.8, as their construction warning advises (with 0.9
-        # they reached 50.3% and 35.8%; halving or quartering the lr instead, 95.3-95.8%
-        # and 93.1-95.0%).
+        # 1-bit and random-k: momentum 0.8, as their construction warning advises.
         lighter = {**opt, "momentum": 0.8}
         powersgd = "powersgd:rank=4,start_iter=10"
         return [
