@@ -49,7 +49,8 @@ DEFAULT_CYCLE_TIME_MS = "10"
 """``HOROVOD_CYCLE_TIME`` that :func:`init` sets unless the environment sets one. Horovod's
 background thread runs a negotiation cycle every 1 ms by default, each one a small
 collective among all ranks even when nothing is pending, whose bytes and CPU compete with
-the gradients'; 10 ms batches that traffic (the measurements: docs/benchmarks.md)."""
+the gradients'; 10 ms batches that traffic (measured in docs/benchmarks.md, "Horovod's own
+knobs, measured here")."""
 
 
 MPI_DEFAULTS = {"OMPI_MCA_mpi_yield_when_idle": "1"}

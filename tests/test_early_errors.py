@@ -15,8 +15,9 @@ import torch
 
 from hvd_compress import Compression
 from hvd_compress.binding import resolve_compression, resolve_ps
-from hvd_compress.comm.parameter_server import PS_ENV, check_spec, connect
+from hvd_compress.comm.parameter_server import check_spec, connect
 from hvd_compress.comm.ps_client import PSClient, parse_addresses
+from hvd_compress.ps_protocol import PS_ENV
 from hvd_compress.torch import DistributedOptimizer
 from ps_server.__main__ import parse_args
 from tests.harness import ROOT, rank_env

@@ -57,7 +57,7 @@ from hvd_compress.ps_protocol import (
     session_of,
 )
 
-log = logging.getLogger("hvd_compress.ps_client")  # the name users configure since 0.1
+log = logging.getLogger("hvd_compress.ps_client")  # its name before the split
 
 CONNECT_TIMEOUT = 10.0
 """Default seconds to reach a server never reached before: long enough for a server
