@@ -97,6 +97,7 @@ class ShardStore:
         self.listeners: list[Callable[[str], None]] = []
         self.durable_version = 0  # counts mark_durable calls, for polling transports
         self.unavailable: str | None = None  # why rounds cannot be made durable now
+        self._unavailable_since = 0.0
         # Set by transports that call expire() at least every freeze_gap / 4 seconds: a
         # longer gap means the process was stopped (SIGSTOP, a VM pause) or starved, and
         # the pushes sent meanwhile wait unread in its sockets; deadlines then count from
@@ -238,9 +239,18 @@ class ShardStore:
 
     def set_unavailable(self, reason: str | None) -> None:
         """While ``reason`` is not None, refuse every push and pull with
-        :class:`NotDurable` (``reason`` as its message), waking the pulls that wait;
-        None serves again."""
+        :class:`NotDurable` (``reason`` as its message), waking the pulls that wait, and
+        fail no round for a missed deadline; None serves again, with the open rounds'
+        deadlines moved by the time requests were refused."""
         with self._cond:
+            now = self.clock()
+            if reason is not None and self.unavailable is None:
+                self._unavailable_since = now
+            elif reason is None and self.unavailable is not None:
+                # Pushes were refused meanwhile: no worker missed a deadline by then.
+                for state in self.tensors.values():
+                    if state.opened is not None:
+                        state.opened += now - self._unavailable_since
             self.unavailable = reason
             self._cond.notify_all()
             for tensor in list(self.tensors):
@@ -423,6 +433,8 @@ class ShardStore:
                 for state in self.tensors.values():
                     if state.opened is not None:
                         state.opened += gap
+        if self.unavailable is not None:  # pushes are refused: no one can be late
+            return
         for tensor, state in self.tensors.items():
             if state.opened is None or now - state.opened < self.deadline:
                 continue
