@@ -1,33 +1,24 @@
 """Communicator over a ``torch.distributed`` process group (Gloo or NCCL), beside Horovod or
 on its own.
 
-Horovod runs every collective through its background loop: a request waits for the next
-cycle (``HOROVOD_CYCLE_TIME``), is negotiated with the coordinator by name, and only then
-travels; Horovod 0.28.1's loop sleeps out each cycle and nothing wakes it early.
-A scheme with several rounds per step (PowerSGD's ``P`` then ``Q``) pays that wait once per
-round, and how much of a cycle is left when a round is started varies from step to step.
-PyTorch DDP's communication hooks pay none of it: they start collectives directly.
+Horovod starts every collective from its background loop, once per ``HOROVOD_CYCLE_TIME``
+cycle and after a negotiation by name, so a scheme with several rounds per step
+(PowerSGD's ``P`` then ``Q``) waits for a cycle per round. :class:`TorchDistCommunicator`
+starts the pipeline's all-reduces, fixed-size all-gathers and all-to-alls at once on the
+group, as DDP's communication hooks do (``async_op=True``, then ``Work.wait()``): ``gloo``
+for CPU tensors (``collectives="gloo"``), ``nccl`` for CUDA tensors
+(``collectives="nccl"``). See docs/design.md for the comparison with Horovod's loop.
 
-:class:`TorchDistCommunicator` does the same for the pipeline's all-reduces, fixed-size
-all-gathers and all-to-alls: each is started on the group from the caller's thread
-(``async_op=True``) and waited on with ``Work.wait()``, which blocks without spinning on
-Gloo and, on NCCL, makes the current CUDA stream wait for the collective without blocking
-the host. The backend is the group's: ``gloo`` for CPU tensors (``collectives="gloo"``),
-``nccl`` for CUDA tensors (``collectives="nccl"``, as DDP's hooks do on GPUs).
+Self-delimiting all-gathers (``sizes=None``) and sparse sums go through ``fallback`` when
+there is one (Horovod, or a parameter server around it); without one the group carries
+them in two collectives, the byte counts and then the bytes padded to the longest (sparse
+pairs as the frames a Horovod ``allgather`` would carry, so the sums are the same bits).
 
-Self-delimiting all-gathers (``sizes=None``) and sparse sums, whose sizes the receivers do
-not know, go through ``fallback`` when there is one (Horovod, or a parameter server around
-it). Without one, the group carries them too, in two collectives: the byte counts, then the
-bytes padded to the longest (the sparse pairs as the frames a Horovod ``allgather`` would
-carry, so the sums are the same bits). The second starts when the first is waited on: every
-rank does that at the same point of the sequence the pipeline reproduces (below).
-
-Collectives are matched by the order they are started, not by name. The pipeline starts
-them in an order that every rank reproduces when every rank submits the same tensors
-(``ordered``: planned buckets start in plan order, as DDP's buckets do); a rank that starts
-a different sequence makes the backend fail with a size mismatch or a timeout naming the
-collective, or, for requests of equal size, sums the wrong tensors. Run once with
-``TORCH_DISTRIBUTED_DEBUG=DETAIL`` to have every collective checked across ranks.
+Invariant: collectives are matched by the order they start, not by name. The pipeline
+starts them in an order every rank reproduces when every rank submits the same tensors
+(planned buckets in plan order); a rank that starts a different sequence makes the backend
+fail with a size mismatch or a timeout, or, for requests of equal size, sums the wrong
+tensors. ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` checks every collective across ranks.
 
 An all-to-all's ``splits`` must be the same on every sender (the fusion contract of
 :class:`~hvd_compress.comm.ops.AllToAll`, which every scheme here meets): the backend needs

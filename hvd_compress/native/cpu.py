@@ -1,22 +1,17 @@
 """This machine's CPU, and the CPU features a build of the native kernels needs; stdlib only.
 
-``-march=native`` (the default of :func:`hvd_compress.native.loader.march`) lets the
-compiler use every instruction-set extension of the building CPU. Run on a CPU without one
-of them (a virtual environment shared by several node types), such code dies with
-``SIGILL`` as soon as it runs, which can be while the library is being loaded. So every
+A build with ``-march=native`` (the default of :func:`hvd_compress.native.loader.march`)
+dies with ``SIGILL`` on a CPU that lacks one of the building CPU's extensions. So every
 build writes a *record* beside the library (:func:`record_path`, JSON): the extensions its
-compiler flags enabled, read from the compiler's own predefined macros (``-dM -E``:
-``__AVX2__``, ``__AVX512F__``, ``__PCLMUL__``, ...) and named as ``/proc/cpuinfo`` names
-them (:data:`FEATURE_MACROS`). The loader reads the record *before* loading the library
-and compares it with :func:`cpu_info` (:func:`missing`); ``version.cpp`` also compiles
-the same list into the library (``hvdc_cpu_features()``), so that a record which is not
+compiler flags enabled, read from the compiler's predefined macros (``-dM -E``) and named
+as ``/proc/cpuinfo`` names them (:data:`FEATURE_MACROS`). The loader compares the record
+with :func:`cpu_info` before loading the library (:func:`missing`), and ``version.cpp``
+compiles the same list into the library (``hvdc_cpu_features()``), so a record that is not
 the library's own is caught before any kernel runs.
 
-Only x86-64 extensions that compiled C++ may contain are listed: the vector sets, bit
-manipulation, carry-less multiply and the like. System and privileged features (SGX,
-XSAVE, TSX, AMX tiles, ...) appear in code only through explicit intrinsics, which the
-kernels do not use, and virtual machines often hide them from ``/proc/cpuinfo``; they are
-not checked. On other architectures the record lists nothing and every CPU passes.
+Only x86-64 extensions that compiled C++ may contain are checked (vector sets, bit
+manipulation, carry-less multiply); system features (SGX, XSAVE, TSX, AMX, ...) are not.
+On other architectures the record lists nothing and every CPU passes.
 """
 
 from __future__ import annotations

@@ -2,27 +2,21 @@
 
 The kernels (``codecs.cpp``, ``sparse.cpp`` and ``version.cpp``) are compiled when the
 package is installed, into the extension file ``hvd_compress/native/_kernels*.so`` (see
-``setup.py``); :func:`library` loads that file with :mod:`ctypes`. Its
-``hvdc_source_hash()`` must equal :func:`source_hash` of the sources beside it, so a build
-from other sources (an edited checkout) is never used.
+``setup.py``); :func:`library` loads that file with :mod:`ctypes`.
 
-CPU features: every build writes beside the library a record of the instruction-set
-extensions it was compiled for (:mod:`hvd_compress.native.cpu`). The record is read and
-compared with the running CPU's flags *before* the library is loaded, so a build made for
-another CPU (``-march=native`` on another node type, in a shared environment) is never
-loaded where it would die with ``SIGILL``; a library without a record is not loaded
-either. Once loaded, the library's own list (``hvdc_cpu_features()``) must equal its
-record before any kernel runs.
+Invariants: a library is used only when its ``hvdc_source_hash()`` equals
+:func:`source_hash` of the sources beside it (an edited checkout never runs a stale
+build), when its CPU record (:mod:`hvd_compress.native.cpu`, read *before* loading) lists
+only features this CPU has, and when its own ``hvdc_cpu_features()`` equals that record;
+a library without a record is not loaded.
 
 Fallback, with a :class:`RuntimeWarning` saying why and what to do: when the extension is
-missing, stale or built for CPU features this CPU lacks, the sources are compiled at run
-time with the system C++ compiler (``g++``, or ``$HVD_COMPRESS_CXX``) into
-``$HVD_COMPRESS_CACHE/native`` (default ``~/.cache/hvd-compress/native``), under a name
-that hashes the sources, the flags and the CPU, so an edit or another machine gets its own
-build (checked the same way). Should that fail too, or be built for features this CPU
-lacks (``$HVD_COMPRESS_MARCH``), a second warning says why and the callers run their
-torch or numpy code instead. ``python -m hvd_compress.native build`` rebuilds the
-installed extension for this CPU (or for ``$HVD_COMPRESS_MARCH``).
+missing, stale or built for features this CPU lacks, the sources are compiled at run time
+with ``g++`` (or ``$HVD_COMPRESS_CXX``) into ``$HVD_COMPRESS_CACHE/native`` (default
+``~/.cache/hvd-compress/native``), under a name that hashes the sources, the flags and the
+CPU. Should that fail too, a second warning says why and the callers run their torch or
+numpy code instead. ``python -m hvd_compress.native build`` rebuilds the installed
+extension for this CPU (or for ``$HVD_COMPRESS_MARCH``).
 """
 
 from __future__ import annotations

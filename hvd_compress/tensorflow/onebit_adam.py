@@ -21,23 +21,19 @@ Speed", ICML), with the same two stages, hyper-parameters and defaults:
        m       = u * d;   w -= learning_rate / (1 - beta_1^t) * u
 
 The module docstring of :mod:`hvd_compress.torch.onebit_adam` gives the reasons for the
-preconditioner's units, the clip and the mask. Here the
-codec and the compressed all-reduce are the shared torch ones
-(:mod:`hvd_compress.schemes.onebit`, :mod:`hvd_compress.schemes.packed`),
-reached through the TensorFlow binding's exchange
-(:class:`~hvd_compress.tensorflow.exchange.GradientExchange`: DLPack and Horovod's
-TensorFlow collectives), as for any packed scheme; the few element-wise lines above are
-TensorFlow ops on the Keras slots, so the optimizer state stays in Keras variables and a
-step traces into ``model.fit``'s graph (the exchange is its one ``tf.py_function``). Both
-stages are traced, and ``tf.cond`` on ``iterations`` picks one at run time: every rank
-takes the same branch.
+preconditioner's units, the clip and the mask. The codec and the compressed all-reduce are
+the shared torch ones (:mod:`hvd_compress.schemes.onebit`,
+:mod:`hvd_compress.schemes.packed`), reached through
+:class:`~hvd_compress.tensorflow.exchange.GradientExchange`; the element-wise lines above
+are TensorFlow ops on the Keras slots, so a step traces into ``model.fit``'s graph (the
+exchange is its one ``tf.py_function``) and ``tf.cond`` on ``iterations`` picks the stage,
+the same on every rank.
 
-The compressed stage's update is :class:`hvd_compress.torch.OneBitAdam`'s to float32
-rounding (the element-wise operations round differently in the two frameworks), with the
-same bytes on the wire; see docs/schemes.md for the accuracy runs. One difference from the
-warm-up is inherited from the frameworks: Keras' Adam adds ``epsilon`` to ``sqrt(v)`` and
-torch's to ``sqrt(v / (1 - beta_2^t))``; the compressed stage uses torch's (the formula
-above), which differs from the warm-up's only where ``v`` is of the order of ``epsilon^2``.
+Invariant: the compressed stage's update is :class:`hvd_compress.torch.OneBitAdam`'s to
+float32 rounding, with the same bytes on the wire (see docs/schemes.md for the accuracy
+runs). Keras' Adam adds ``epsilon`` to ``sqrt(v)`` and torch's to ``sqrt(v / (1 -
+beta_2^t))``; the compressed stage uses torch's (the formula above), which differs from the
+warm-up's only where ``v`` is of the order of ``epsilon^2``.
 """
 
 from __future__ import annotations

@@ -41,19 +41,17 @@ diverges soon after ``freeze_step`` (see docs/schemes.md):
   move; DeepSpeed asks the user for that mask (``exp_avg_mask``).
 
 Bias corrections follow ``torch.optim.Adam`` (the second moment's is frozen with ``v``), so
-the update is continuous at ``freeze_step``; DeepSpeed's implementation drops them, which
-makes no difference once ``freeze_step`` is large. Weight decay is Adam's (added to the
-gradient), as in the warm-up. DeepSpeed's default ``freeze_step`` is 100000; the paper
-freezes after about 15-25% of the training steps.
+the update is continuous at ``freeze_step``; weight decay is Adam's (added to the
+gradient). Advice: DeepSpeed's default ``freeze_step`` is 100000; the paper freezes after
+about 15-25% of the training steps.
 
 The two stages, the exchange and the state dict are :class:`OneBitMomentum`'s, which
 :class:`~hvd_compress.torch.OneBitLamb` shares (only the update differs) and
-:class:`~hvd_compress.torch.ZeroOneAdam` extends (0/1 Adam's schedule). The exchange
-happens in :meth:`step` (gradients are not sent from backward hooks): call
-``loss.backward()`` then ``optimizer.step()`` as with any optimizer, on every rank, with
-the same parameters in the same order. ``state_dict()`` holds Adam's state plus the
-compression state (both residuals, step counters), so a checkpoint taken mid-compression
-resumes to the same next step.
+:class:`~hvd_compress.torch.ZeroOneAdam` extends. The exchange happens in :meth:`step`:
+call ``loss.backward()`` then ``optimizer.step()`` on every rank, with the same parameters
+in the same order. ``state_dict()`` holds Adam's state plus the compression state (both
+residuals, step counters), so a checkpoint taken mid-compression resumes to the same next
+step.
 """
 
 from __future__ import annotations

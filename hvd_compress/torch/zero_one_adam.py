@@ -50,36 +50,25 @@ from 1) is one of three kinds:
    up to ``local_step_clipper`` (the paper's ``H``). A round of one step is exactly a
    compressed step.
 
-**When replicas are identical.** Every rank holds bit-identical parameters and momenta
-after every step up to ``var_freeze_step`` and, after it, after every step that ends a
-round (the sync): the average each rank applies is the same tensor on every rank, and the
-parameters are rebuilt from the round's starting point, identical too, rather than from
-each rank's locally moved copy. Between those steps, inside a round, each rank's
-parameters and momentum follow its own gradients and differ. Checkpoint at a sync step to
-get one model for all ranks (a checkpoint inside a round is still exact per rank: see
-below).
+**Invariant.** Every rank holds bit-identical parameters and momenta after every step up
+to ``var_freeze_step`` and, after it, after every step that ends a round (the sync);
+inside a round each rank's parameters and momentum follow its own gradients. Checkpoint at
+a sync step to get one model for all ranks; a checkpoint anywhere (inside a round too)
+resumes each rank to the same next steps bit for bit: ``state_dict()`` holds Adam's
+state, the round in progress (its start, its mean and its sum of step sizes per
+parameter, and its last step) and the compressed exchange's residuals.
 
-Where this differs from DeepSpeed's ``ZeroOneAdam``: Adam's bias corrections are kept
-(``v``'s counted in variance updates; DeepSpeed drops both), so the first steps are Adam's
-without a learning-rate warm-up; the momentum travels in the preconditioner's units with
-1-bit Adam's clip, and elements whose variance is still exactly 0 stay put (DeepSpeed's
-``exp_avg_mask``); between variance updates the momentum, not the gradient, is exchanged,
-so every compressed exchange is the same quantity; the spacing of ``T_v`` doubles exactly
-(DeepSpeed tests ``t % spacing``, which shifts later updates once the spacing exceeds
-``var_update_scaler``); a round's length is fixed when it starts (DeepSpeed syncs when
-``t % length == 0``). The defaults are DeepSpeed's.
+Unlike DeepSpeed's ``ZeroOneAdam``, Adam's bias corrections are kept, the momentum (not
+the gradient) is what every compressed exchange sends, in the preconditioner's units with
+1-bit Adam's clip and mask, the spacing of ``T_v`` doubles exactly and a round's length is
+fixed when it starts; the defaults are DeepSpeed's (docs/design.md has the details).
 
 Costs: variance-update steps send float32 (``4 n`` bytes per ``n`` elements), compressed
-steps and syncs 1 bit per element plus one float32 scale per 2048 elements for the
-tensors the policy compresses (by default tensors of at least 1024 elements and two or
-more dimensions; the others' momentum is averaged exactly), local steps nothing. Inside a
-round each parameter keeps two more tensors of its size (the round's start and the mean),
-freed at the sync. Call ``loss.backward()`` then ``optimizer.step()`` on every rank, with
-the same parameters in the same order; the learning rate may change from step to step (a
-scheduler), alike on every rank. ``state_dict()`` holds Adam's state, the round in
-progress (its start, its mean and its sum of step sizes per parameter, and its last step)
-and the compressed exchange's residuals, so a checkpoint taken anywhere, inside a round
-too, resumes to the same next steps bit for bit.
+steps and syncs what ``compression`` sends for the tensors the policy compresses (the
+others' momentum is averaged exactly), local steps nothing. Inside a round each parameter
+keeps two more tensors of its size (the round's start and the mean), freed at the sync.
+Call ``loss.backward()`` then ``optimizer.step()`` on every rank, with the same parameters
+in the same order; the learning rate may change from step to step, alike on every rank.
 """
 
 from __future__ import annotations
