@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from hvd_compress.comm.ops import sorted_pairs, wire_dtype
+from hvd_compress.ps_protocol import TOKEN_ENV
 from hvd_compress.sparse_wire import Kind, ValueDType, decode_frame, encode_frame
 
 _HINTS = {
@@ -33,7 +34,7 @@ _HINTS = {
     "FAILED_PRECONDITION": "the workers and the server disagree on the round or the job",
     "PERMISSION_DENIED": "another process holds this worker id in this session: give each "
                          "rank its own worker id",
-    "UNAUTHENTICATED": "pass the server's token (token= or $HVD_COMPRESS_PS_TOKEN)",
+    "UNAUTHENTICATED": f"pass the server's token (token= or ${TOKEN_ENV})",
     "RESOURCE_EXHAUSTED": "the message exceeds the server's --max-message-mb or the "
                           "client's max_message_bytes",
 }

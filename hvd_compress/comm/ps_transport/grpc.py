@@ -8,7 +8,9 @@ pushes again (an identical push is a no-op) and pulls; a server that keeps its
 checkpoint answers no round before it is on disk, so after a restart every worker gets
 the same aggregates. A server never reached is given up after ``connect_timeout``
 seconds (nothing listens there), one that answered before after ``retry_timeout``. A
-TLS handshake failure is not retried. Every tensor's pulls start with its pushes and run
+TLS handshake failure is not retried. A server that says it cannot make rounds durable
+(its checkpoint writes fail, :data:`NOT_DURABLE`) is retried for :data:`NOT_DURABLE_WAIT`
+seconds only, then its reason is raised. Every tensor's pulls start with its pushes and run
 on their own, so one tensor waiting or retrying does not hold back the others. Anything
 else raises :class:`~hvd_compress.comm.ps_transport.base.PSError` naming the tensor,
 round, shard and server, and saying what it means.
@@ -64,6 +66,14 @@ CONNECT_TIMEOUT = 10.0
 started at the same time as the workers, short for an address where nothing listens."""
 RETRY_TIMEOUT = 60.0
 """Default seconds to keep retrying a server that answered before (a restart)."""
+NOT_DURABLE = "the server keeps retrying and refuses pushes and pulls"
+"""In the detail of an ``UNAVAILABLE``: the server runs but cannot make rounds durable
+(its checkpoint writes fail; ``ps_server.service.write_failure`` words it), so this is no
+restart to wait out."""
+NOT_DURABLE_WAIT = 5.0
+"""Seconds to retry a server that cannot make rounds durable before failing with its
+reason: a fault that passes this soon goes unnoticed, a full disk stops the job in
+seconds with the server's message instead of after ``retry_timeout``."""
 RETRYABLE = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "NOT_FOUND"})
 """Codes after which pushing again and pulling again cannot change a sum: the server was
 unreachable or the call was cut off (``UNAVAILABLE``, ``CANCELLED``), the pull timed out
@@ -293,6 +303,9 @@ class PSClient(ShardedClient):
                     self._reached[shard] = True  # the server answered
                 waited = time.monotonic() - start
                 limit = self.retry_timeout if self._reached[shard] else self.connect_timeout
+                not_durable = code is grpc.StatusCode.UNAVAILABLE and NOT_DURABLE in detail
+                if not_durable:
+                    limit = min(limit, NOT_DURABLE_WAIT)
                 tls = _tls_failure(detail)
                 if code is grpc.StatusCode.UNAVAILABLE and not self._reached[shard] and \
                         not self._tls and _plain_to_tls(detail, self.addresses[shard]):
@@ -309,8 +322,10 @@ class PSClient(ShardedClient):
                     continue
                 if tls:
                     detail = (f"TLS handshake failed: {detail} (check the certificate "
-                              "(root_certificates, $HVD_COMPRESS_PS_CA) and the name it is "
+                              f"(root_certificates, ${CA_ENV}) and the name it is "
                               "issued to (tls_server_name))")
+                elif not_durable:
+                    detail = f"the server cannot make rounds durable ({waited:.1f} s): {detail}"
                 elif code is grpc.StatusCode.UNAVAILABLE and self._reached[shard]:
                     detail = (f"unreachable for {waited:.1f} s (retry_timeout "
                               f"{self.retry_timeout:g} s): {detail}")
