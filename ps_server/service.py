@@ -75,6 +75,8 @@ def write_failure(what: str, err: OSError, directory: Path) -> str:
         advice = f"free space on --checkpoint-dir {directory}"
     else:
         advice = f"check the disk and file system of --checkpoint-dir {directory}"
+    # Clients recognise the words "the server keeps retrying and refuses pushes and
+    # pulls" (hvd_compress.comm.ps_transport.grpc.NOT_DURABLE): keep them.
     return (f"{what} write failed: {err}; the server keeps retrying and refuses pushes "
             f"and pulls until it can make rounds durable: {advice}")
 
