@@ -1,6 +1,6 @@
 """Framed sparse messages between workers and the parameter server.
 
-One definition, used by :mod:`hvd_compress.comm.ps_client` and :mod:`ps_server`. A frame
+One definition, used by :mod:`hvd_compress.comm.ps_transport` and :mod:`ps_server`. A frame
 is a self-describing byte string (host memory, numpy arrays; it travels as gRPC ``bytes``
 or an MPI message)::
 

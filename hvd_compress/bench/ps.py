@@ -17,7 +17,7 @@ connects). Per (shards, workers) pair, over each transport:
   on this machine, measured beside each ``grpc`` row.
 * ``mpi``: one MPMD ``mpirun`` on this machine (OpenMPI's default transports, shared
   memory here): one worker rank per simulated worker sending the same pre-encoded frames
-  through :meth:`~hvd_compress.comm.ps_client.MPIPSClient.exchange`, and one
+  through :meth:`~hvd_compress.comm.ps_transport.mpi.MPIPSClient.exchange`, and one
   ``python -m ps_server --transport mpi`` rank per shard. Worker 0 times the rounds between
   two barriers of the workers, and reads the server ranks' CPU seconds.
 * ``in-process``: the same frames through one shard's request handling

@@ -12,14 +12,10 @@ together in one traced ``tf.function`` (one graph op per request, each named aft
 collective, all in flight together so Horovod fuses them). The pipeline queues all of a
 step's first rounds before it waits on any, so a step costs one graph call per round.
 
-Horovod 0.28.1's TensorFlow ops refuse bfloat16 tensors ("DataType bfloat16 not in list of
-allowed values"), for every collective. Such tensors take the same exact route as in the
-PyTorch binding (:mod:`hvd_compress.comm.horovod_torch`), inside the graph
-(:func:`collective`): a sum runs in float32 (a 24-bit significand against bfloat16's 8, so
-adding bfloat16 values of similar magnitudes rounds nothing) and is rounded to bfloat16
-once, to nearest even as torch's cast rounds, identically on every rank; collectives that
-only move data (all-gather, all-to-all, broadcast) carry the bit patterns as int16, so what
-arrives is the sent value bit for bit.
+Horovod 0.28.1's TensorFlow ops refuse bfloat16 tensors. Such tensors take the same exact
+route as in the PyTorch binding (:mod:`hvd_compress.comm.horovod_torch`), inside the graph
+(:func:`collective`): sums run in float32 and are rounded to bfloat16 once, identically on
+every rank; collectives that only move data carry the bit patterns as int16.
 """
 
 from __future__ import annotations

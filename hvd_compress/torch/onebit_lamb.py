@@ -98,13 +98,9 @@ class OneBitLamb(OneBitMomentum):
             Default 0.1.
         freeze_step: warm-up steps of plain LAMB with uncompressed gradients. Default
             100000 (DeepSpeed's); the paper freezes after about 15-25% of the steps.
-        named_parameters: as for :class:`~hvd_compress.torch.OneBitAdam` (default
-            ``onebit_lamb.<group>.<index>``).
-        compression: as for :class:`~hvd_compress.torch.OneBitAdam` (default
-            ``Compression.onebit()``).
-        policy: as for :class:`~hvd_compress.torch.OneBitAdam`.
-        comm: as for :class:`~hvd_compress.torch.OneBitAdam`.
-        seed: as for :class:`~hvd_compress.torch.OneBitAdam` (default 0).
+
+    ``named_parameters``, ``compression``, ``policy``, ``comm`` and ``seed`` are as for
+    :class:`~hvd_compress.torch.OneBitAdam` (default names ``onebit_lamb.<group>.<index>``).
 
     Raises ``ValueError`` at construction for an option out of range, a compression scheme
     without error feedback, and duplicated or missing parameter names.

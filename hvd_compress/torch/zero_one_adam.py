@@ -124,13 +124,9 @@ class ZeroOneAdam(OneBitAdam):
             length. Default 32678 (DeepSpeed's value, as it ships).
         local_step_clipper: the longest round, in steps (the paper's ``H``). Default 16;
             1 turns local steps off (every step after the freeze is a compressed step).
-        named_parameters: as for :class:`~hvd_compress.torch.OneBitAdam` (default
-            ``zero_one_adam.<group>.<index>``).
-        compression: as for :class:`~hvd_compress.torch.OneBitAdam` (default
-            ``Compression.onebit()``).
-        policy: as for :class:`~hvd_compress.torch.OneBitAdam`.
-        comm: as for :class:`~hvd_compress.torch.OneBitAdam`.
-        seed: as for :class:`~hvd_compress.torch.OneBitAdam` (default 0).
+
+    ``named_parameters``, ``compression``, ``policy``, ``comm`` and ``seed`` are as for
+    :class:`~hvd_compress.torch.OneBitAdam` (default names ``zero_one_adam.<group>.<index>``).
 
     Raises ``ValueError`` at construction for a schedule option that is not a positive
     integer, for Adam options 0/1 Adam does not support (``amsgrad``, ``maximize``, a
