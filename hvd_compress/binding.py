@@ -167,11 +167,12 @@ def resolve_compression(compression: Any, framework: str) -> Any:
     if framework not in HOROVOD_COMPRESSORS:
         raise ValueError(f"framework must be one of {FRAMEWORKS}, got {framework!r}")
     from hvd_compress.compression import Compression  # the schemes need torch
+    from hvd_compress.policy import Auto
     from hvd_compress.schemes.base import Scheme
 
     if compression is None:
         return Compression.none
-    if isinstance(compression, Scheme):
+    if isinstance(compression, (Scheme, Auto)):
         return compression
     horovods = horovod_compressor(compression)
     if horovods is not None and horovods[0] == framework:

@@ -13,8 +13,8 @@ import typing
 from typing import Any
 
 from hvd_compress import registry
+from hvd_compress.policy import Auto
 from hvd_compress.registry import register_scheme
-from hvd_compress.schemes.auto import Auto
 from hvd_compress.schemes.base import Scheme
 
 DEFAULT_AUTO_SCHEME = "powersgd:rank=4"

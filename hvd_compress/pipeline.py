@@ -19,7 +19,6 @@ and kind travel as one collective, started as soon as the bucket is complete.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
@@ -29,13 +28,11 @@ from typing import Any
 import torch
 
 from hvd_compress.comm.base import Communicator
-from hvd_compress.comm.ops import AllReduce, AllToAll, Collective, nbytes
+from hvd_compress.comm.ops import AllToAll, Collective, nbytes
 from hvd_compress.errors import NonFiniteGradientError
 from hvd_compress.feedback import ErrorFeedback, KeepsResidual, payload_distance, watch_scatter
 from hvd_compress.fusion import assign_buckets, fuse, fused_name, fusion_key, split_result
-from hvd_compress.policy import Policy
-from hvd_compress.schemes import auto as auto_routes
-from hvd_compress.schemes.auto import Auto
+from hvd_compress.policy import DENSE_SCHEME, Auto, Decision, LinkModel, Policy, routes_for
 from hvd_compress.schemes.base import (
     Exchange,
     ExchangeContext,
@@ -46,7 +43,7 @@ from hvd_compress.schemes.base import (
     total,
     write_scaled,
 )
-from hvd_compress.schemes.dense import FP16, NoCompression
+from hvd_compress.schemes.dense import NoCompression
 from hvd_compress.schemes.packed import PackedScheme
 from hvd_compress.step_stats import StepStats
 
@@ -57,7 +54,6 @@ DEFAULT_BUCKET_BYTES = 64 << 20
 DEFAULT_REPORT_EVERY = 10
 """Steps between measurements of the compression error of a tensor without error feedback
 (``report_every`` of :class:`Pipeline` and of every binding's wrapper)."""
-_DENSE = NoCompression()
 
 
 
@@ -142,7 +138,7 @@ class Pipeline:
             off most steps; see docs/results/overhead for what it costs.
     """
 
-    def __init__(self, scheme: Scheme, comm: Communicator, policy: Policy | None = None,
+    def __init__(self, scheme: Scheme | Auto, comm: Communicator, policy: Policy | None = None,
                  average: bool = True, prescale: float = 1.0, seed: int = 0,
                  bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
                  report_every: int = DEFAULT_REPORT_EVERY) -> None:
@@ -165,12 +161,8 @@ class Pipeline:
         self.feedback = ErrorFeedback.for_scheme(scheme)
         self._scheme_state: dict[str, dict[str, torch.Tensor]] = {}
         self._steps: dict[str, int] = defaultdict(int)
-        self._routes: dict[tuple[str, torch.Size], Scheme] = {}
-        self._auto = scheme if isinstance(scheme, Auto) else None
-        self._auto_shapes: dict[str, torch.Size] = {}  # every tensor auto has routed
-        self._auto_window: list[float] = []  # measured exchange seconds since the decision
-        self.auto_decision: auto_routes.Decision | None = None
-        """``Compression.auto``'s routes and the measurements they were decided from."""
+        self.routes = routes_for(scheme, self.policy, comm)
+        """Which scheme each tensor travels with (:mod:`hvd_compress.policy`)."""
         self._plan: list[list[str]] = []
         self._position: dict[str, tuple[int, int]] = {}  # name -> (bucket, place in it)
         # This step:
@@ -190,95 +182,24 @@ class Pipeline:
     # Routing and planning ------------------------------------------------------------------
     def route(self, name: str, shape: torch.Size) -> Scheme:
         """The scheme a tensor of this name and shape travels with (cached)."""
-        key = (name, shape)
-        scheme = self._routes.get(key)
-        if scheme is None:
-            if self._auto is not None:
-                scheme = self._auto_route(name, shape)
-            else:
-                compress = self.policy.compresses(self.scheme, shape)
-                scheme = self.scheme if compress else _DENSE
-            self._routes[key] = scheme
-        return scheme
+        return self.routes.route(name, shape)
 
-    def _auto_route(self, name: str, shape: torch.Size) -> Scheme:
-        """``Compression.auto``'s route for a tensor; dense until it has been decided (at
-        the end of the step that first carries it)."""
-        assert self._auto is not None
-        self._auto_shapes[name] = shape
-        decision = self.auto_decision
-        if decision is None or decision.shapes.get(name) != shape:
-            return _DENSE
-        route = decision.routes[name]
-        return _DENSE if route == auto_routes.DENSE else self._auto.candidates()[route]
+    @property
+    def auto_decision(self) -> Decision | None:
+        """``Compression.auto``'s routes and the measurements they were decided from
+        (``None`` for another scheme, or before the first decision)."""
+        return self.routes.decision
 
-    def redecide(self, link: auto_routes.LinkModel | None = None,
-                 device: torch.device | str = "cpu") -> auto_routes.Decision:
+    def redecide(self, link: LinkModel | None = None,
+                 device: torch.device | str = "cpu") -> Decision:
         """Measure again (the link too, unless ``link`` is given) and decide
         ``Compression.auto``'s routes for every tensor it has seen, keeping current routes
         unless another is clearly cheaper. Collectives: every rank calls it at the same
-        point, between steps."""
-        if self._auto is None:
-            raise TypeError(f"redecide() needs Compression.auto, this pipeline uses "
-                            f"{self.scheme!r}")
+        point, between steps. ``TypeError`` for a pipeline of another scheme."""
         if self._inflight:
             raise RuntimeError("cannot decide routes while exchanges are in flight; call "
                                "wait() first")
-        self._auto_decide(dict(self._auto_shapes), torch.device(device), link,
-                          self.auto_decision)
-        assert self.auto_decision is not None
-        return self.auto_decision
-
-    def _auto_decide(self, shapes: Mapping[str, torch.Size], device: torch.device,
-                     link: auto_routes.LinkModel | None = None,
-                     current: auto_routes.Decision | None = None) -> None:
-        """Measure and decide ``Compression.auto``'s routes: collectives every rank runs
-        at the same point (plan or the end of a step)."""
-        assert self._auto is not None
-        self.auto_decision = self._auto.decide(
-            shapes, self._auto_allowed, self._run_now, self.comm.rank, self.comm.size, device,
-            link=link, current=current)
-        self._auto_shapes.update(shapes)
-        self._auto_window.clear()
-        self._routes.clear()
-
-    def _auto_after_step(self, flights: Sequence[_InFlight], stats: StepStats) -> None:
-        """Decide routes for tensors first seen this step; every ``recheck_every`` steps,
-        compare the measured exchange time with the prediction (:meth:`Auto.revise`)."""
-        assert self._auto is not None
-        auto = self._auto
-        if not flights:
-            return
-        device = flights[0].grad.device
-        decision = self.auto_decision
-        if decision is None or any(decision.shapes.get(n) != s
-                                   for n, s in self._auto_shapes.items()):
-            self._auto_decide(dict(self._auto_shapes), device,
-                              decision.link if decision is not None else None, decision)
-            return
-        self._auto_window.append(sum(seconds for part, seconds in stats.seconds.items()
-                                     if part in ("scheme", "fuse") or part.startswith("wait")))
-        if not auto.recheck_every or len(self._auto_window) < auto.recheck_every:
-            return
-        local = torch.tensor([sum(self._auto_window) / len(self._auto_window)],
-                             dtype=torch.float64, device=device)
-        self._auto_window.clear()
-        agreed = self._run_now("hvdc.auto.recheck", AllReduce("recheck", local))
-        measured = float(agreed.cpu()[0]) / self.comm.size
-        revised = auto.revise(decision, measured, dict(self._auto_shapes), self._auto_allowed,
-                              self._run_now, self.comm.rank, self.comm.size, device)
-        if revised is not None:
-            self.auto_decision = revised
-            self._routes.clear()
-
-    def _auto_allowed(self, shape: torch.Size) -> bool:
-        """Whether the policy lets ``Compression.auto``'s scheme take a tensor of ``shape``."""
-        assert self._auto is not None
-        return self.policy.compresses(self._auto.scheme, shape)
-
-    def _run_now(self, name: str, op: Collective) -> Any:
-        """Start one collective and wait for it (``Compression.auto``'s measurements)."""
-        return self.comm.wait(self.comm.start(name, op))
+        return self.routes.redecide(torch.device(device), link)
 
     def plan(self, names: Sequence[str], numels: Sequence[int | Sequence[int]],
              device: torch.device | str = "cpu") -> list[list[str]]:
@@ -313,8 +234,8 @@ class Pipeline:
         self._plan = assign_buckets(names, numels, self.bucket_bytes)
         self._position = {name: (b, i) for b, members in enumerate(self._plan)
                           for i, name in enumerate(members)}
-        if self._auto is not None and shapes is not None:
-            self._auto_decide(dict(zip(names, shapes, strict=True)), torch.device(device))
+        if shapes is not None:
+            self.routes.planned(dict(zip(names, shapes, strict=True)), torch.device(device))
         return self.buckets
 
     @property
@@ -350,7 +271,7 @@ class Pipeline:
         feedback = scheme.error_feedback or self.feedback.get(name) is not None
         if feedback:
             x = self.feedback.compensate(name, x)
-        elif scheme is not _DENSE:
+        elif scheme is not DENSE_SCHEME:
             x = x.float()
         self._current.seconds["feedback"] += time.perf_counter() - started
         ctx = ExchangeContext(name, self.comm.rank, self.comm.size, self._steps[name],
@@ -595,8 +516,8 @@ class Pipeline:
         stats.seconds["commit"] += time.perf_counter() - started
         self.total.add(stats)
         self.last_step, self._current = stats, StepStats()
-        if self._auto is not None:
-            self._auto_after_step(flights, stats)
+        if flights:
+            self.routes.after_step(flights[0].grad.device, stats.seconds)
         return results
 
     def _reports(self, name: str, scheme: Scheme) -> bool:
@@ -610,10 +531,9 @@ class Pipeline:
     @staticmethod
     def _packed_codec(scheme: Scheme, device: torch.device) -> PackedScheme | None:
         """The codec of the compressed all-reduce a scheme without error feedback runs on
-        ``device``: the scheme itself, or float16's payload on the CPU; else ``None``."""
-        if isinstance(scheme, PackedScheme):
-            return None if scheme.error_feedback else scheme
-        return scheme.packed(device) if isinstance(scheme, FP16) else None
+        ``device`` (:meth:`~hvd_compress.schemes.base.Scheme.packed`: the scheme itself, or
+        float16's payload on the CPU); else ``None``."""
+        return None if scheme.error_feedback else scheme.packed(device)
 
     def _report(self, flight: _InFlight, outcome: Outcome) -> None:
         """Record the compression error of a tensor without error feedback:
@@ -660,8 +580,7 @@ class Pipeline:
             "residuals": self.feedback.state_dict(),
             "scheme_state": {name: {k: v.detach().clone() for k, v in st.items()}
                              for name, st in self._scheme_state.items()},
-            **({"auto_routes": dict(self.auto_decision.routes)}
-               if self.auto_decision is not None else {}),
+            **self.routes.state_dict(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -678,15 +597,4 @@ class Pipeline:
         self.feedback.load_state_dict(state["residuals"])
         self._scheme_state = {name: {k: torch.as_tensor(v).clone() for k, v in st.items()}
                               for name, st in state["scheme_state"].items()}
-        routes = state.get("auto_routes")
-        if routes is not None and self.auto_decision is not None:
-            # Resume on the routes the checkpoint was taken with (measured again, the routes
-            # of this run could differ and the next step would not be the one it would have
-            # been); tensors the checkpoint does not name keep this run's routes.
-            decision = self.auto_decision
-            routes = {n: routes.get(n, r) if routes.get(n) in decision.costs[n] else r
-                      for n, r in decision.routes.items()}
-            self.auto_decision = dataclasses.replace(
-                decision, routes=routes,
-                predicted=auto_routes.predict(decision.costs, routes, decision.link))
-            self._routes.clear()
+        self.routes.load_state_dict(state)
