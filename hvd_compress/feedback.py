@@ -51,24 +51,7 @@ figures (:meth:`ErrorFeedback.observe_sent`, :meth:`ErrorFeedback.observe_own`):
   :func:`payload_distance`: one decoding pass the scheme did not need otherwise), for the
   others from the outcome's ``sent``.
 
-What healthy values look like depends on the family. Measured on the digits MLP (2 ranks,
-``torch.optim.SGD(lr=0.1, momentum=0.9)``, 300 steps; the range over the three compressed
-weights and the steps after the first 10, median in brackets):
-
-============================  ========================  =============
-scheme                        compression error         test accuracy
-============================  ========================  =============
-fp16                          1.6e-4 - 4.1e-4 (2.1e-4)  96.4%
-bf16                          1.3e-3 - 2.0e-3 (1.7e-3)  97.2%
-terngrad (clip 2.5)           0.50 - 0.93 (0.65-0.70)   97.5%
-terngrad, clip=None, SGD m=0  0.98 - 1.88 (1.2-1.4)     93.6%
-qsgd (4 bits, norm max)       0.13 - 0.37 (0.19-0.25)   97.2%
-qsgd (4 bits, norm l2)        0.45 - 1.09 (0.71-0.73)   98.6%
-topk ratio 0.01 (residual)    0.63 - 0.97 (0.94-0.96)   96.4%
-dgc ratio 0.01, SGD m=0       0.947 - 0.981 (0.97)      96.9%
-dgc ratio 0.001, SGD m=0      0.988 - 0.9997 (0.993)    93.1%
-============================  ========================  =============
-
+What healthy values look like depends on the family (docs/benchmarks.md has them per scheme).
 float16 and bfloat16 show their relative rounding (at most ``2**-11`` and ``2**-8`` per
 element). The unbiased stochastic quantisers are noisy by design: TernGrad's and QSGD's
 error is of the order of the gradient itself (TernGrad's ``E ||T(v) - v||^2 = sum_i
@@ -77,10 +60,9 @@ averages out over ranks and steps; no warning is given for it. What is worth wat
 change of level within a run. The sparsifiers send a small share of the largest entries
 of what they were given (with the residual or the velocity, which hold far more than one
 gradient), so their error stays close to 1 by construction; their residual's growth
-(``growth``, the largest measured on these runs 14.6 for DGC at 0.001 and 6.2 for top-k
-at 0.01, against the warning's 30) is the figure to watch. For the vote ``decode(sent)``
-is the sign, ``+1`` or ``-1``, so its error measures the gradient's scale (about
-``sqrt(n) / ||x||``: from 10 to 4e7 on digits with ``lr=0.01``), not the vote's quality.
+(``growth``, against the warning's threshold) is the figure to watch. For the vote
+``decode(sent)`` is the sign, ``+1`` or ``-1``, so its error measures the gradient's scale
+(about ``sqrt(n) / ||x||``), not the vote's quality.
 """
 
 from __future__ import annotations
@@ -283,12 +265,9 @@ class ErrorFeedback:
 
     Args:
         growth: warn (:class:`ResidualGrowthWarning`) when a residual's norm exceeds this
-            many times its reference (see the module docstring). Default 30. Measured on
-            digits (2 ranks, SGD lr 0.1, 600 steps, the largest ratio per tensor): runs
-            that trained stayed below 14x (1-bit with momentum 0.5: 3.9x; random-k 0.01
-            and top-k 0.001 with momentum 0 to 0.9: up to 13.8x, a sparse residual fills
-            up over about ``1 / ratio`` steps), while the runs that failed under momentum
-            0.9 reached 75x (1-bit, 61.7% test accuracy) and 64x (random-k, 19.4%).
+            many times its reference (see the module docstring). Default 30, between the
+            growth of runs that trained and that of runs that diverged (a sparse residual
+            fills up over about ``1 / ratio`` steps; see docs/benchmarks.md).
             ``None``: never warn (the statistics are still kept).
         window: commits with a non-zero residual that set the reference. Default 20, long
             enough for the residual to fill up (it starts at zero) and short enough to be

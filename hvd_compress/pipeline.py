@@ -119,7 +119,7 @@ class Pipeline:
         seed: base of every random stream (stochastic rounding, PowerSGD's first ``Q``);
             the same on every rank. Default 0.
         bucket_bytes: the most float32 gradient bytes whose requests share collectives
-            (see the module docstring). Default 64 MiB, Horovod's default fusion threshold.
+            (see :mod:`hvd_compress.fusion`). Default 64 MiB, Horovod's default fusion threshold.
             Larger buckets mean fewer collectives (fewer negotiations and latencies per
             step); smaller ones let the first buckets travel earlier while backward still
             runs. ``None`` or 0: one bucket for the step, started only once every planned
@@ -135,7 +135,7 @@ class Pipeline:
             never, beyond the error-feedback window. Default 10; 1 measures every step.
             A measurement reads the tensor once or twice (a compressed all-reduce also
             decodes its own payload) and waits for the result on the host, so it is kept
-            off most steps; see docs/results/overhead for what it costs.
+            off most steps (docs/benchmarks.md has its cost).
     """
 
     def __init__(self, scheme: Scheme | Auto, comm: Communicator, policy: Policy | None = None,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import sys
 import textwrap
@@ -112,3 +113,25 @@ def test_imports_in_functions_and_under_type_checking_close_no_cycle_at_import_t
     assert checker.main([str(root)]) == 0
     assert checker.find_cycles(checker.import_graph(root, deferred=True)) == [
         ["hvd_compress.a", "hvd_compress.b", "hvd_compress.a"]]
+
+
+def test_names_moved_to_break_cycles_still_import_with_a_deprecation_warning() -> None:
+    from hvd_compress import policy
+    from hvd_compress.schemes import base, packed
+
+    with pytest.warns(DeprecationWarning, match="moved to hvd_compress.schemes.packed"):
+        assert base.PackedScheme is packed.PackedScheme
+    with pytest.warns(DeprecationWarning, match="moved to hvd_compress.schemes.packed"):
+        assert base.bucket_view is packed.bucket_view
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        _ = base.nothing
+    for name, target in (("hvd_compress.comm.compressed_allreduce", packed),
+                         ("hvd_compress.schemes.auto", policy)):
+        sys.modules.pop(name, None)
+        with pytest.warns(DeprecationWarning, match="moved to"):
+            module = importlib.import_module(name)
+        if target is policy:
+            assert module is policy
+        else:
+            assert module.chunk_sizes is packed.chunk_sizes
+            assert module.compressed_allreduce is packed.compressed_allreduce
