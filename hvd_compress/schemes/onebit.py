@@ -38,7 +38,7 @@ class OneBit(PackedScheme):
     start from exact gradients. Advice: under SGD keep momentum below 0.9 or shrink
     ``bucket_size``; under Adam's family pass ``start_iter`` of about 10% of the steps and
     ``bucket_size`` of at most :data:`ADAM_BUCKET_SIZE`, or use
-    :class:`~hvd_compress.torch.OneBitAdam`. See docs/schemes.md for the accuracy runs.
+    :class:`~hvd_compress.torch.OneBitAdam`. See docs/benchmarks.md#convergence.
 
     The scale is summed in float64 and rounded to float32 once. CPU tensors are coded by
     :mod:`hvd_compress.native`, to the same bytes as the torch code here (which other
@@ -135,4 +135,4 @@ ONEBIT_ADAM_ADVICE = ("With start_iter at 10% of the steps (the first exchanges 
                       "Compression.onebit(bucket_size=32, start_iter=40) for 400 steps.")
 ADAM_BUCKET_SIZE = 128
 """The largest ``bucket_size`` that :meth:`OneBit.trains_under_adam` accepts (with a dense
-warm-up of about 10% of the steps). See docs/schemes.md for the runs behind it."""
+warm-up of about 10% of the steps). See docs/benchmarks.md#convergence."""

@@ -40,7 +40,7 @@ class QSGD(PackedScheme):
 
     Diagnostics: ``optimizer.compression_feedback`` reports each tensor's ``||Q(x) - x|| /
     ||x||``, large by design for an unbiased quantiser; it warns of nothing, and a change of
-    level within a run is what to look at. See docs/schemes.md for typical levels.
+    level within a run is what to look at. See docs/benchmarks.md#convergence for typical levels.
 
     Args:
         bits: bits per element including the sign, 2..8 (default 4).

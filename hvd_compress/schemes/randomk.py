@@ -42,7 +42,7 @@ class RandomK(Scheme):
     not depend on the gradient's scale. Advice: under Adam's family pass
     ``error_feedback=False``, no warm-up, a ratio of at least :data:`ADAM_MIN_RATIO` and the
     learning rate divided by ``sqrt(ratio)``; the optimizer wrapper warns otherwise
-    (:meth:`trains_under_adam`). See docs/schemes.md for the runs.
+    (:meth:`trains_under_adam`). See docs/benchmarks.md#convergence.
 
     Args:
         ratio: the fraction of each tensor's entries sent per step (``k = ceil(ratio n)``).
@@ -136,4 +136,4 @@ RANDOMK_ADAM_ADVICE = ("Without error feedback and warm-up, at the learning rate
                        "Compression.randomk(ratio=0.3, error_feedback=False).")
 ADAM_MIN_RATIO = 0.2
 """The smallest ``ratio`` that :meth:`RandomK.trains_under_adam` accepts (without error
-feedback). See docs/schemes.md for the runs behind it."""
+feedback). See docs/benchmarks.md#convergence."""

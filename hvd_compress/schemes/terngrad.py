@@ -26,7 +26,7 @@ class TernGrad(PackedScheme):
     unchanged). That shrinks ``s`` and the variance at the price of a small bias;
     ``error_feedback=True`` carries the clipped part to the next step instead of dropping
     it. ``clip=None`` is the unclipped, unbiased quantiser; keep the clipping on unless the
-    gradients have no outliers (see docs/schemes.md for runs with and without it).
+    gradients have no outliers (see docs/benchmarks.md#convergence).
 
     ``|v_i| / s`` is computed as ``|v_i| * (1 / s)``; the clipping statistics in float64,
     the bound rounded to float32 once. CPU tensors are coded by :mod:`hvd_compress.native`,

@@ -30,10 +30,10 @@ exchange is its one ``tf.py_function``) and ``tf.cond`` on ``iterations`` picks 
 the same on every rank.
 
 Invariant: the compressed stage's update is :class:`hvd_compress.torch.OneBitAdam`'s to
-float32 rounding, with the same bytes on the wire (see docs/schemes.md for the accuracy
-runs). Keras' Adam adds ``epsilon`` to ``sqrt(v)`` and torch's to ``sqrt(v / (1 -
-beta_2^t))``; the compressed stage uses torch's (the formula above), which differs from the
-warm-up's only where ``v`` is of the order of ``epsilon^2``.
+float32 rounding, with the same bytes on the wire (see docs/benchmarks.md#convergence for
+the accuracy runs). Keras' Adam adds ``epsilon`` to ``sqrt(v)`` and torch's to
+``sqrt(v / (1 - beta_2^t))``; the compressed stage uses torch's (the formula above), which
+differs from the warm-up's only where ``v`` is of the order of ``epsilon^2``.
 """
 
 from __future__ import annotations

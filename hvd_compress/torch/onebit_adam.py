@@ -27,7 +27,7 @@ slowly, so it runs in two stages:
    1024 elements and two or more dimensions); the others' momentum is averaged exactly.
 
 Three choices differ from DeepSpeed's ``OnebitAdam``; without the first two, training
-diverges soon after ``freeze_step`` (see docs/schemes.md):
+diverges soon after ``freeze_step`` (see docs/benchmarks.md#convergence):
 
 - The momentum travels in the frozen preconditioner's units, ``m / d``. Since ``d`` is
   the same on every rank, the average is the same quantity, but one bucket's 1-bit scale

@@ -41,14 +41,10 @@ code (:class:`~hvd_compress.torch.onebit_adam.OneBitMomentum`); what differs is 
    without a broadcast; the wire carries what 1-bit Adam's does (1 bit per element plus
    one float32 scale per 2048 elements).
 
-Where this differs from DeepSpeed's ``OnebitLamb``: the bias corrections of Adam are kept
-(DeepSpeed's drops them; with them the warm-up is LAMB as its paper writes it and the
-update is continuous at ``freeze_step``); ``c_frozen`` starts at the first trust ratio
-instead of at 0 (an average started at 0 is biased low by ``coeff_beta^t``, which matters
-for a short warm-up); and the momentum is compressed tensor by tensor in the frozen
-preconditioner's units with 1-bit Adam's clip and mask instead of fused and rescaled by
-per-tensor scaling coefficients (that also equalises the tensors' scales). DeepSpeed's
-defaults are kept for every coefficient.
+Unlike DeepSpeed's ``OnebitLamb``, Adam's bias corrections are kept (the update is
+continuous at ``freeze_step``), ``c_frozen`` starts at the first trust ratio instead of 0,
+and the momentum is compressed tensor by tensor in the frozen preconditioner's units with
+1-bit Adam's clip and mask; DeepSpeed's defaults are kept for every coefficient.
 
 Call ``loss.backward()`` then ``optimizer.step()`` on every rank, with the same parameters
 in the same order. ``state_dict()`` holds the moments, the fresh variance, ``c_frozen``

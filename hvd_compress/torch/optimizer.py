@@ -194,7 +194,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         (``x = g + e`` with error feedback), the residual's norm (error feedback's, DGC's
         velocity, or 0 for a scheme that keeps none; ``residual`` says which) and its growth
         against its early size, the scheme and the share of entries sent. Tensors sent
-        dense are not in it. docs/schemes.md lists healthy values per scheme;
+        dense are not in it. docs/benchmarks.md#convergence lists healthy values per scheme;
         a residual that grows without bound raises
         :class:`~hvd_compress.feedback.ResidualGrowthWarning` naming the tensor."""
         return self._pipeline.feedback.report()
@@ -307,15 +307,12 @@ def DistributedOptimizer(
             bad address and the accepted forms); the servers are contacted at the first
             step that sends sparse pairs.
         bucket_mb: like DDP's ``bucket_cap_mb``, the size in MiB (of float32 gradients) of
-            the buckets whose gradients are exchanged together. Parameters are assigned to
-            buckets in reverse registration order (the order backward produces their
-            gradients); once every gradient of a bucket is ready, each of its
-            communication rounds goes as one collective per kind and dtype instead of one
-            per tensor (PowerSGD: one all-reduce of all ``P`` and dense gradients, one of
-            all ``Q``), saving a Horovod negotiation and a latency per tensor and round.
-            Smaller buckets start communicating earlier in the backward pass; larger ones
-            start fewer collectives. The default, 64, is Horovod's default fusion
-            threshold. ``None`` or 0: one bucket, which starts once backward has finished.
+            the buckets whose gradients are exchanged together, filled in reverse
+            registration order (the order backward produces gradients). Once a bucket's
+            gradients are ready, each communication round goes as one collective per kind
+            and dtype. Smaller buckets start communicating earlier; larger ones start fewer
+            collectives. Default 64 (Horovod's fusion threshold); ``None`` or 0: one bucket,
+            started once backward has finished.
         connect_timeout: seconds to wait for a gRPC server that does not answer at all
             before the step fails with a ``PSError`` naming it (default
             ``$HVD_COMPRESS_PS_CONNECT_TIMEOUT``, else 10 s); failures after a server has
@@ -326,24 +323,20 @@ def DistributedOptimizer(
             decodes the rank's own payload, one extra decode per tensor. Tensors with error
             feedback and DGC's velocity are measured at every step.
         collectives: what carries the dense rounds (all-reduces, PowerSGD's ``P`` and
-            ``Q``, the compressed all-reduce's scatter and gather). ``"horovod"`` (the
-            default): Horovod's collectives, negotiated in its background loop, each round
-            waiting for the next ``HOROVOD_CYCLE_TIME`` cycle. ``"gloo"``: a
-            ``torch.distributed`` Gloo group over Horovod's ranks
-            (:func:`hvd_compress.comm.gloo_torch.horovod_gloo_group`: the default group if
-            ``torch.distributed`` is initialized, else one joined here), each round started
-            at once from this thread as DDP's hooks start theirs, with no negotiation and
-            no cycle wait. Collectives are then matched by the order they start, so every
-            rank must run the same parameters' backward (unused parameters are sent as
-            zeros at ``step()``); buckets start in plan order. Sparse pairs still go
-            through Horovod ``allgather`` or the parameter server. Needs the global
-            process set. For dense schemes Horovod's loop then only idles:
-            ``HOROVOD_CYCLE_TIME=100`` spares its cycles (see docs/user-guide.md).
-            ``"nccl"``: the same on a ``torch.distributed`` NCCL group, for a model on the
-            GPU, as DDP's hooks run on GPUs (:mod:`hvd_compress.comm.torch_dist`); refused
-            here, with what to change, unless this torch has NCCL, CUDA is available and
-            every parameter is on the current CUDA device
-            (``torch.cuda.set_device(hvd.local_rank())`` then ``model.cuda()``).
+            ``Q``, the compressed all-reduce's scatter and gather). ``"horovod"`` (default):
+            Horovod's collectives, each round waiting for the next ``HOROVOD_CYCLE_TIME``
+            cycle. ``"gloo"``: a ``torch.distributed`` Gloo group over Horovod's ranks
+            (:func:`hvd_compress.comm.gloo_torch.horovod_gloo_group`), each round started at
+            once from this thread as DDP's hooks do; collectives are then matched by the
+            order they start, so every rank must run the same parameters' backward (unused
+            parameters are sent as zeros at ``step()``). Needs the global process set;
+            sparse pairs still go through Horovod or the parameter server; for dense
+            schemes ``HOROVOD_CYCLE_TIME=100`` spares Horovod's idle loop (see
+            docs/user-guide.md). ``"nccl"``: the same on a NCCL group for a model on the
+            GPU (:mod:`hvd_compress.comm.torch_dist`); refused, with what to change, unless
+            this torch has NCCL, CUDA is available and every parameter is on the current
+            CUDA device (``torch.cuda.set_device(hvd.local_rank())`` then
+            ``model.cuda()``).
 
     Horovod's explicit ``groups``/``num_groups`` are not supported (Horovod's tensor fusion
     still batches small all-reduces), nor is ``op=hvd.Adasum``: both raise ``ValueError``.

@@ -61,7 +61,7 @@ parameter, and its last step) and the compressed exchange's residuals.
 Unlike DeepSpeed's ``ZeroOneAdam``, Adam's bias corrections are kept, the momentum (not
 the gradient) is what every compressed exchange sends, in the preconditioner's units with
 1-bit Adam's clip and mask, the spacing of ``T_v`` doubles exactly and a round's length is
-fixed when it starts; the defaults are DeepSpeed's (docs/design.md has the details).
+fixed when it starts; the defaults are DeepSpeed's.
 
 Costs: variance-update steps send float32 (``4 n`` bytes per ``n`` elements), compressed
 steps and syncs what ``compression`` sends for the tensors the policy compresses (the
