@@ -11,6 +11,7 @@ killed: a hang becomes a test failure, not a stuck CI run).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -18,6 +19,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +70,28 @@ def simd_flags() -> list[str]:
     """The CPU's vector-instruction flags, sorted."""
     pattern = re.compile(r"(sse4_2|avx\w*|fma|f16c|amx\w*|asimd\w*|sve\w*|neon)")
     return sorted(f for f in cpu_info()[1] if pattern.fullmatch(f))
+
+
+DEFAULT_INDEX = "https://pypi.org/simple/"
+
+
+@functools.cache
+def package_index_unreachable(timeout: float = 3.0) -> str | None:
+    """Why ``pip install`` cannot reach its package index (``PIP_INDEX_URL``, else PyPI)
+    within ``timeout`` seconds, or None when it answers. A test that installs from the
+    index skips with this reason (``needs the network: ...``) instead of failing offline."""
+    url = os.environ.get("PIP_INDEX_URL", DEFAULT_INDEX)
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, method="HEAD"),
+                                    timeout=timeout):
+            return None
+    except urllib.error.HTTPError as err:
+        if err.code < 500:
+            return None  # the index answered
+        reason: object = err  # a proxy's gateway error: the index is out of reach
+    except (OSError, ValueError) as err:
+        reason = err
+    return f"needs the network: the package index {url} is unreachable ({reason})"
 
 
 def launch_command(launcher: str, np: int) -> list[str]:

@@ -204,6 +204,7 @@ def test_one_rank_sends_everything_dense_without_measuring() -> None:
     assert pipe.auto_decision.routes == {"w": "dense"}
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("slow_link", [False, True])
 def test_two_horovod_ranks_agree_on_routes_train_identically_and_resume(
         slow_link: bool) -> None:

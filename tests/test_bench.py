@@ -211,6 +211,7 @@ def test_cli_rejects_bad_options(argv: list[str]) -> None:
     assert exit_info.value.code == 2
 
 
+@pytest.mark.multiprocess
 def test_ps_bench_rows_count_the_pushed_pairs(tmp_path: Path) -> None:
     rows = run_bench(tmp_path, "ps", "--workers", "2,3", "--shards", "2", "--numel", "64K",
                      "--density", "0.05", "--rounds", "2")
@@ -239,6 +240,7 @@ def leftover_network_objects() -> list[str]:
     return [name for name in names if name.startswith(hosts.network_name_prefixes())]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("tc") or not shutil.which("ip"),
                     reason="needs root, ip and tc for network namespaces")
 def test_link_bench_runs_ranks_on_throttled_namespaces_and_cleans_up(tmp_path: Path) -> None:
@@ -254,6 +256,7 @@ def test_link_bench_runs_ranks_on_throttled_namespaces_and_cleans_up(tmp_path: P
     assert leftover_network_objects() == []
 
 
+@pytest.mark.multiprocess
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("tc") or not shutil.which("ip"),
                     reason="needs root, ip and tc for network namespaces")
 def test_link_bench_past_its_timeout_fails_with_the_ranks_stacks_and_leaves_nothing(
@@ -275,6 +278,7 @@ def environ(process: Path) -> bytes:
         return b""
 
 
+@pytest.mark.multiprocess
 def test_overhead_bench_times_every_system_side_by_side(tmp_path: Path) -> None:
     """The harness: in a process of its own, each system trains the model, our optimizer's
     phases are measured, and the hook's and our own CPU per step are the differences of
@@ -321,6 +325,7 @@ def test_every_model_of_the_cluster_zoo_trains(name: str) -> None:
     assert 1 in dims and (4 in dims) == (name == "cnn")
 
 
+@pytest.mark.multiprocess
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("tc") or not shutil.which("ip"),
                     reason="needs root, ip and tc for network namespaces")
 def test_cluster_bench_quick_trains_every_system_on_emulated_hosts(tmp_path: Path) -> None:
@@ -403,6 +408,7 @@ def test_cluster_bench_quick_trains_every_system_on_emulated_hosts(tmp_path: Pat
     assert leftover_network_objects() == []
 
 
+@pytest.mark.multiprocess
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("tc") or not shutil.which("ip"),
                     reason="needs root, ip and tc for network namespaces")
 def test_cluster_bench_reports_a_failed_launch_with_its_cause_and_goes_on(
@@ -424,6 +430,7 @@ def test_cluster_bench_reports_a_failed_launch_with_its_cause_and_goes_on(
     assert leftover_network_objects() == []
 
 
+@pytest.mark.multiprocess
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("tc") or not shutil.which("ip"),
                     reason="needs root, ip and tc for network namespaces")
 def test_cluster_bench_repeats_take_turns_and_pool_their_steps(

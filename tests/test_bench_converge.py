@@ -28,6 +28,7 @@ def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict], s
     return out, rows, "\n".join(captured)
 
 
+@pytest.mark.multiprocess
 def test_a_row_for_every_configuration_of_the_plan(quick: tuple[Path, list[dict], str]
                                                    ) -> None:
     _, rows, _ = quick
@@ -38,6 +39,7 @@ def test_a_row_for_every_configuration_of_the_plan(quick: tuple[Path, list[dict]
     assert all(r["replicas_agree"] for r in rows)
 
 
+@pytest.mark.multiprocess
 def test_losses_are_finite_and_fall(quick: tuple[Path, list[dict], str]) -> None:
     _, rows, _ = quick
     for r in rows:
@@ -54,6 +56,7 @@ def test_losses_are_finite_and_fall(quick: tuple[Path, list[dict], str]) -> None
             assert r["final_accuracy"] > 0.3
 
 
+@pytest.mark.multiprocess
 def test_bytes_come_from_the_optimizers_statistics(quick: tuple[Path, list[dict], str]
                                                    ) -> None:
     _, rows, _ = quick
@@ -70,6 +73,7 @@ def test_bytes_come_from_the_optimizers_statistics(quick: tuple[Path, list[dict]
     assert adam["ratio_after_warmup"] > 16  # 1 bit per element for the large tensors
 
 
+@pytest.mark.multiprocess
 def test_files_and_progress(quick: tuple[Path, list[dict], str]) -> None:
     out, rows, progress = quick
     assert json.loads((out / "converge.json").read_text()) == rows

@@ -95,6 +95,7 @@ def framework_free_checks() -> dict[str, Any]:
     return out
 
 
+@pytest.mark.multiprocess
 def test_shared_module_imports_and_checks_without_torch_tensorflow_or_horovod() -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     done = subprocess.run([sys.executable, str(ROOT / "tests" / "frameworks_blocked.py"),

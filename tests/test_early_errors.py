@@ -164,6 +164,7 @@ print("OK")
 """
 
 
+@pytest.mark.multiprocess
 def test_horovods_compressors_and_valid_ps_construct_and_step_on_one_process() -> None:
     """``hvd.init()`` at size 1 in a fresh interpreter (not this one)."""
     env = rank_env()
@@ -185,6 +186,7 @@ def test_server_missing_file_is_a_usage_error(option: str, tmp_path: Path,
     assert f"hvd-ps-server: error: {option} {missing}: no such file" in capsys.readouterr().err
 
 
+@pytest.mark.multiprocess
 def test_server_token_file_problems_exit_2_without_traceback(tmp_path: Path) -> None:
     empty, directory = tmp_path / "empty", tmp_path / "dir"
     empty.write_text("\n")
@@ -242,6 +244,7 @@ except Exception as exc:
 """
 
 
+@pytest.mark.multiprocess
 def test_connect_timeout_of_the_optimizer_fails_a_server_never_reached_within_it() -> None:
     """``connect_timeout=0.5``: the first step against a port nothing listens on fails
     within seconds (not the 60 s of retries), naming the address."""

@@ -31,6 +31,7 @@ def epochs_printed(out: str) -> list[tuple[str, int]]:
             if (m := EPOCH.search(line))]
 
 
+@pytest.mark.tensorflow
 def test_keras_example_prints_each_epoch_on_rank_0() -> None:
     assert epochs_printed(run_example("digits_keras.py")) == [("[0]<stdout>", 1),
                                                               ("[0]<stdout>", 2)]

@@ -297,6 +297,7 @@ def test_error_feedback_is_measured_through_its_window_then_every_nth_step() -> 
         assert torch.allclose(applied + residual.double(), grads, atol=1e-4)
 
 
+@pytest.mark.multiprocess
 def test_two_ranks_read_compression_feedback_after_steps() -> None:
     """Under horovodrun, 2 ranks and 3 steps of the torch optimizer: every compressed
     tensor (the 64x32 weight; the rest goes dense) is reported on each rank with that

@@ -21,11 +21,13 @@ def run(*args: str, **env: str) -> subprocess.CompletedProcess:
                           timeout=120, env={**os.environ, "PYTHON": sys.executable, **env})
 
 
+@pytest.mark.multiprocess
 def test_usage() -> None:
     done = run()
     assert done.returncode == 64 and "usage: scripts/gpu_check.sh OUTDIR" in done.stderr
 
 
+@pytest.mark.multiprocess
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here: the check would run")
 def test_without_cuda_it_refuses_unless_allowed(tmp_path: Path) -> None:
     done = run(str(tmp_path), GPU_CHECK_ALLOW_CPU="0")

@@ -39,6 +39,7 @@ def test_dockerfile_passes_hadolint(dockerfile: Path):
     assert "ARG BASE=" in text and "scripts/install.sh" in text and "USER 10001" in text
 
 
+@pytest.mark.multiprocess
 def test_compose_references_existing_files_images_and_secrets(tmp_path):
     compose = yaml.safe_load((DOCKER / "compose.yaml").read_text())
     built = {}
@@ -68,6 +69,7 @@ def test_compose_references_existing_files_images_and_secrets(tmp_path):
                                                     if n.startswith("worker")))
 
 
+@pytest.mark.multiprocess
 def test_health_check_with_tls_and_token(tmp_path):
     subprocess.run(["bash", str(DOCKER / "make-secrets.sh"), str(tmp_path)], check=True,
                    capture_output=True, timeout=60)
@@ -89,8 +91,9 @@ def test_health_check_with_tls_and_token(tmp_path):
 
 
 @pytest.mark.skipif(not (shutil.which("podman") and shutil.which("buildah")),
-                    reason="podman and buildah are not installed "
+                    reason="needs podman and buildah, which are not installed "
                     "(scripts/install.sh --with-podman installs them)")
+@pytest.mark.multiprocess
 def test_server_image_builds_serves_a_round_and_stops_on_sigterm():
     result = subprocess.run(["bash", str(ROOT / "scripts" / "images.sh"), "server"],
                             capture_output=True, text=True, timeout=900)
@@ -111,6 +114,7 @@ def _requirements(*options: str) -> list[str]:
     return result.stdout.split()
 
 
+@pytest.mark.multiprocess
 def test_install_gpu_selects_cuda_builds_and_nothing_cpu_over_them():
     from packaging.specifiers import SpecifierSet
 
@@ -144,7 +148,7 @@ GPU_IMAGE = f"localhost/hvd-compress/gpu:{VERSION}"
 
 def _gpu_image_skip_reason() -> str | None:
     if not (shutil.which("podman") and shutil.which("buildah")):
-        return ("podman and buildah are not installed "
+        return ("needs podman and buildah, which are not installed "
                 "(scripts/install.sh --with-podman installs them)")
     if os.environ.get("HVD_TEST_GPU_IMAGE") == "1":
         return None
@@ -172,6 +176,7 @@ def gpu_image_log() -> str:
     return log
 
 
+@pytest.mark.multiprocess
 @needs_gpu_image
 def test_gpu_image_holds_cuda_torch_and_nccl_and_no_cpu_tensorflow(gpu_image_log):
     container = subprocess.run(["buildah", "from", "-q", GPU_IMAGE], capture_output=True,
@@ -197,6 +202,7 @@ def test_gpu_image_holds_cuda_torch_and_nccl_and_no_cpu_tensorflow(gpu_image_log
     assert "tensorflow-cpu" not in dists and "tensorflow" not in dists
 
 
+@pytest.mark.multiprocess
 @needs_gpu_image
 def test_gpu_image_smoke_test_nccl_and_digits_on_two_ranks(gpu_image_log):
     log = gpu_image_log

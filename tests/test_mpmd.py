@@ -15,7 +15,9 @@ from tests.harness import ROOT, launch_command, rank_env, run_command, run_ranks
 
 SERVER = ["python", "-m", "ps_server", "--transport", "mpi", "--workers", "2"]
 WORKER = ["python", "-m", "tests.workers.mpmd_init"]
-BINDINGS = ("torch", "tensorflow")
+BINDINGS = ("torch", pytest.param("tensorflow", marks=pytest.mark.tensorflow))
+
+pytestmark = pytest.mark.multiprocess
 
 
 def mpmd(worker_args: list[str], timeout: float = 240

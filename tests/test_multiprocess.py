@@ -41,7 +41,9 @@ def check_aggregates(ranks: list[dict[str, Any]]
     return unbiased
 
 
-@pytest.mark.parametrize("launcher", LAUNCHERS)
+# The fast tier's smoke launches of horovodrun (Gloo) and mpirun (MPI).
+@pytest.mark.parametrize("launcher", [pytest.param(name, marks=pytest.mark.smoke)
+                                      for name in LAUNCHERS])
 def test_aggregate_is_sum_of_decoded_contributions(launcher: str) -> None:
     ranks = run_ranks("tests.workers.dense:aggregates", launcher=launcher,
                       specs=EXACT_SPECS + STAT_SPECS)

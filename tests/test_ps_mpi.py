@@ -91,6 +91,7 @@ def test_a_wrong_worker_count_fails_at_once_on_every_rank():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.smoke  # the fast tier's launch of the server over MPI
 @pytest.mark.timeout(180)
 @needs_mpirun
 def test_mpi_transport_two_workers_two_shards():

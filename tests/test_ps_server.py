@@ -18,7 +18,7 @@ from hvd_compress.comm.ps_client import GRPC_SERVICE, PSClient, PSError, shard_b
 from hvd_compress.sparse_wire import Kind, decode_frame, encode_frame
 from tests.servers import ServerProcess, start_servers  # noqa: F401 (fixture `start`)
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 TOKEN = "t0ken-for-tests"
 WORKERS = 3
 NUMEL = 10_000
@@ -74,7 +74,8 @@ def exact_sum(pushes, dtype, numel: int = NUMEL):
     return total, support
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+# fp32: the fast tier's smoke launch of the server over gRPC.
+@pytest.mark.parametrize("dtype", [pytest.param("fp32", marks=pytest.mark.smoke), "fp16"])
 def test_aggregate_is_exact_sum_over_two_shards(cluster, dtype):
     workers = clients(cluster, dtype)
     for round in range(2):

@@ -25,6 +25,8 @@ from tests.servers import ServerProcess
 
 BLOCKED = [sys.executable, str(ROOT / "tests" / "frameworks_blocked.py")]
 
+pytestmark = pytest.mark.multiprocess
+
 
 @pytest.fixture
 def start():
@@ -160,6 +162,7 @@ def test_version_and_help_show_defaults_and_environment():
         assert re.search(pattern, text), (flag, text)
 
 
+@pytest.mark.usefixtures("package_index")
 def test_pip_install_into_a_fresh_venv_gives_a_working_server(tmp_path):
     """``pip install .[server]`` into a new environment (no torch): the wheel carries the
     compiled kernels, and its ``hvd-ps-server`` serves a round."""

@@ -18,7 +18,7 @@ from hvd_compress.bench.kernels import KERNEL_SCHEMES
 from tests.harness import LAUNCHERS, run_command, run_ranks
 from tests.servers import ServerProcess
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.tensorflow]
 
 ALL_SPECS = ["none", "fp16", "bf16", "onebit", "qsgd", "terngrad",
              "powersgd:rank=2,start_iter=1", "topk:ratio=0.01", "randomk:ratio=0.01",

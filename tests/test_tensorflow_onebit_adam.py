@@ -15,6 +15,7 @@ import pytest
 
 from tests.harness import run_ranks
 
+pytestmark = [pytest.mark.multiprocess, pytest.mark.tensorflow]
 FREEZE, STEPS = 4, 10
 
 
@@ -23,7 +24,6 @@ def parity() -> list[dict[str, Any]]:
     return run_ranks("tests.workers.tf_onebit_adam:parity", freeze_step=FREEZE, steps=STEPS)
 
 
-@pytest.mark.multiprocess
 def test_warmup_is_keras_adam_on_averaged_gradients_bit_for_bit(
         parity: list[dict[str, Any]]) -> None:
     for rank in parity:
@@ -39,7 +39,6 @@ def test_warmup_is_keras_adam_on_averaged_gradients_bit_for_bit(
             assert stats["compressed_tensors"] == 0
 
 
-@pytest.mark.multiprocess
 def test_ranks_stay_identical_after_every_step(parity: list[dict[str, Any]]) -> None:
     r0, r1 = parity
     for step in range(STEPS):
@@ -47,7 +46,6 @@ def test_ranks_stay_identical_after_every_step(parity: list[dict[str, Any]]) -> 
         assert np.array_equal(r0["momentum"][step], r1["momentum"][step]), step
 
 
-@pytest.mark.multiprocess
 def test_compressed_update_is_the_torch_onebit_adams(parity: list[dict[str, Any]]) -> None:
     """From the freeze on, the torch ``OneBitAdam`` at the same state and fed the same
     gradients on each rank: the same weights and momentum after every step, to float32
@@ -75,7 +73,6 @@ def test_compressed_update_is_the_torch_onebit_adams(parity: list[dict[str, Any]
         assert rank["totals_steps"] == STEPS
 
 
-@pytest.mark.multiprocess
 def test_resume_mid_compression_gives_the_same_next_step(
         parity: list[dict[str, Any]]) -> None:
     """A ``tf.train.Checkpoint`` (and Keras' ``save_own_variables`` store) written two steps
@@ -88,7 +85,6 @@ def test_resume_mid_compression_gives_the_same_next_step(
         assert not np.array_equal(rank["resumed_store_without_residuals"], expected)
 
 
-@pytest.mark.multiprocess
 def test_bad_arguments_are_refused_at_construction(parity: list[dict[str, Any]]) -> None:
     errors = parity[0]["errors"]
     assert errors.pop("defaults") is None
@@ -113,7 +109,6 @@ def test_bad_arguments_are_refused_at_construction(parity: list[dict[str, Any]])
     assert errors["wrapped"].startswith("OneBitAdam averages across ranks by itself"), errors
 
 
-@pytest.mark.multiprocess
 def test_model_fit_on_digits_is_as_accurate_as_keras_adam() -> None:
     """``model.fit`` (the step traced, the stage chosen in the graph) on 2 ranks for 30
     epochs of 22 steps, frozen after 100: within 1 point of uncompressed Keras Adam's test

@@ -27,6 +27,8 @@ from tests.harness import ROOT, rank_env, run_ranks
 from tests.test_binding import ARGUMENT_ERRORS, KERAS_ACCUMULATION
 from tests.workers.bf16 import bf16_value
 
+pytestmark = [pytest.mark.multiprocess, pytest.mark.tensorflow]
+
 ONE_PROCESS = """
 import json, socket, time, warnings
 import horovod.tensorflow as hvd, keras, numpy as np, tensorflow as tf
@@ -272,7 +274,6 @@ BF16_SCHEMES = ["none", "fp16", "bf16", "onebit", "qsgd", "terngrad", "powersgd:
                 "randomk", "topk", "dgc", "vote"]
 
 
-@pytest.mark.multiprocess
 def test_bf16_keras_model_trains_with_every_scheme_with_identical_ranks() -> None:
     ranks = run_ranks("tests.workers.tf_bf16:training", timeout=900, specs=BF16_SCHEMES)
     for spec in BF16_SCHEMES:
@@ -294,7 +295,6 @@ def test_bf16_keras_model_trains_with_every_scheme_with_identical_ranks() -> Non
     assert ranks[0]["onebit"]["ratio"] > 10 and ranks[0]["vote"]["ratio"] > 10
 
 
-@pytest.mark.multiprocess
 def test_bf16_collectives_of_the_tf_binding_are_exact() -> None:
     ranks = run_ranks("tests.workers.tf_bf16:collectives")
     x0, x1 = bf16_value(0), bf16_value(1)
@@ -317,7 +317,6 @@ def _vote(xs: list[np.ndarray]) -> np.ndarray:
     return np.where(count >= 0, 1.0, -1.0).astype(np.float32)
 
 
-@pytest.mark.multiprocess
 def test_majority_vote_through_the_tf_binding_is_exact() -> None:
     ranks = run_ranks("tests.workers.tf_vote:votes", numel=8000)
     size, numel = len(ranks), 8000
