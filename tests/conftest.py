@@ -55,7 +55,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 QUICK_TOOLS = frozenset({"cc", "c++", "gcc", "g++", "clang", "clang++", "false", "true", "git",
-                         "hadolint", "ip", "tc", "nvidia-smi", "uname", "nproc"})
+                         "hadolint", "ip", "tc", "mount", "umount", "nvidia-smi", "uname",
+                         "nproc"})
 """Programs a test may run without being a launch: compilers (the native kernels' build, or
 ``false`` standing in for a broken one), linters and system tools that start no rank,
 server or worker. Anything else a test starts (Python, a launcher, a shell script, a
