@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from hvd_compress.schemes import auto as auto_routes
+from hvd_compress import policy as auto_routes
 from tests.workers.dense import _batches, _flat, _setup, _train
 
 
