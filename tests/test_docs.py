@@ -9,6 +9,7 @@ statically (griffe), so nothing here imports torch, TensorFlow or Horovod.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -68,6 +69,34 @@ def test_site_builds_strict(tmp_path: Path) -> None:
     for page in ("user-guide", "schemes", "parameter-server", "benchmarks", "design",
                  "contributing", "api/torch"):
         assert (tmp_path / "site" / page / "index.html").is_file(), page
+
+
+def docs_links_in_code() -> set[tuple[str, str]]:
+    """Every ``docs/<page>.md[#anchor]`` the library, the server and the scripts mention."""
+    found: set[tuple[str, str]] = set()
+    for top in ("hvd_compress", "ps_server", "scripts", "examples"):
+        for path in (ROOT / top).rglob("*"):
+            if path.suffix in (".py", ".sh") and path.is_file():
+                text = path.read_text(errors="replace")
+                for page, anchor in re.findall(r"docs/([\w/.-]+?)\.md(?:#([\w-]+))?", text):
+                    found.add((page, anchor))
+    return found
+
+
+def test_docs_links_in_the_code_resolve(tmp_path: Path) -> None:
+    """A docstring's link to a docs page (and anchor) names one the site has."""
+    ok, lines = build_site(ROOT / "mkdocs.yml", tmp_path / "site")
+    assert ok, "\n".join(lines)
+    missing = []
+    for page, anchor in sorted(docs_links_in_code()):
+        if page.startswith("results/"):
+            continue
+        html = tmp_path / "site" / page.removesuffix("index") / "index.html"
+        if not html.is_file():
+            missing.append(f"docs/{page}.md")
+        elif anchor and f'id="{anchor}"' not in html.read_text():
+            missing.append(f"docs/{page}.md#{anchor}")
+    assert not missing, f"links in the code to docs pages or anchors that do not exist: {missing}"
 
 
 def test_a_broken_link_or_anchor_fails_the_build(tmp_path: Path) -> None:
