@@ -11,7 +11,9 @@ import torch
 from hvd_compress import Compression, Policy, compression, registry
 from hvd_compress.bench import SCHEMES, SPARSE_SCHEMES
 from hvd_compress.comm.ops import AllReduce
+from hvd_compress.comm.threads import ThreadGroup
 from hvd_compress.compression import SCHEME_NAMES
+from hvd_compress.policy import Auto, AutoRoutes, Routes, routes_for
 from hvd_compress.registry import register_scheme, unregister_scheme
 from hvd_compress.schemes.base import Exchange, ExchangeContext, Outcome, Scheme
 from tests.threaded import make_pipelines, on_threads
@@ -136,3 +138,19 @@ def test_a_registered_scheme_trains_and_its_rounding_shows_in_the_aggregate(
     dense_losses, dense = train(Compression.none)
     assert not all(torch.equal(a, d) for a, d in zip(aggregates, dense))
     assert dense_losses[-1] < 0.2 * dense_losses[0]
+
+
+def test_auto_is_a_router_in_the_table_not_a_scheme() -> None:
+    auto = Compression.parse("auto:topk:ratio=0.01")
+    assert isinstance(auto, Auto) and not isinstance(auto, Scheme)
+    assert not hasattr(auto, "exchange")
+    assert auto.describe() == {"name": "auto", "scheme": Compression.topk(0.01).describe(),
+                               "fp16": True}
+    with pytest.raises(TypeError, match=r"hvd_compress\.torch\.DistributedOptimizer"):
+        auto.compress(torch.zeros(4))  # Horovod's stateless interface is refused
+    comm = ThreadGroup(1).communicator(0)
+    assert type(routes_for(auto, Policy(), comm)) is AutoRoutes
+    fixed = routes_for(Compression.fp16, Policy(), comm)
+    assert type(fixed) is Routes and fixed.state_dict() == {}
+    with pytest.raises(TypeError, match=r"redecide\(\) needs Compression\.auto"):
+        fixed.redecide(torch.device("cpu"))
