@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from hvd_compress import Compression, Pipeline, Policy
+from hvd_compress import policy as auto_routes
 from hvd_compress.comm.threads import ThreadGroup
-from hvd_compress.schemes import auto as auto_routes
-from hvd_compress.schemes.auto import (
+from hvd_compress.policy import (
     Auto,
     LinkModel,
     RouteCost,
