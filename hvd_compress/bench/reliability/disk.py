@@ -64,14 +64,17 @@ def _campaign(work: Path, mount: Path, faults: int, seed: int) -> dict[str, Any]
                   "60", "--checkpoint-every", "1000000"], work / "server.log")
     trials: list[dict[str, Any]] = []
     rounds = [0] * WORKERS
+    clients = _clients(srv.address)
     try:
         for i in range(faults):
-            trial = _fault(srv, mount, seed, rounds)
+            trial = _fault(srv, mount, seed, rounds, clients)
             trials.append(trial)
             rounds = trial.pop("next_rounds")
             print(f"  fault {i + 1}: {_line(trial)}", flush=True)
         journal = _journal_check(ckpt, seed, min(rounds))
     finally:
+        for client in clients:
+            client.close()
         srv.stop()
         srv.kill()
     passed = sum(t["ok"] for t in trials)
@@ -95,7 +98,17 @@ def _line(trial: dict[str, Any]) -> str:
             + (f"; {trial['problem']}" if trial["problem"] else ""))
 
 
-def _fault(srv: Server, mount: Path, seed: int, rounds: list[int]) -> dict[str, Any]:
+def _clients(address: str) -> list[Any]:
+    """One client per worker for the whole campaign: each stays its worker's process
+    (:mod:`ps_server.identity`), as in a job that waits out the fault."""
+    from hvd_compress.comm.ps_client import PSClient
+
+    return [PSClient(address, w, workers=WORKERS, timeout=60.0, retry_timeout=60.0,
+                     connect_timeout=30.0) for w in range(WORKERS)]
+
+
+def _fault(srv: Server, mount: Path, seed: int, rounds: list[int], clients: list[Any]
+           ) -> dict[str, Any]:
     """One episode: fill, train until the workers stop, free, train 3 more rounds."""
     from ps_server.healthcheck import check
 
@@ -103,7 +116,7 @@ def _fault(srv: Server, mount: Path, seed: int, rounds: list[int]) -> dict[str, 
     filler = mount / "filler"
     _fill(filler, KEEP)
     health = _HealthPoller(srv.address, check)
-    results = _run_workers(srv.address, seed, rounds, until_error=True)
+    results = _run_workers(clients, seed, rounds, until_error=True)
     failed_at = _first_failure(srv.text()[offset:])
     errors = [r["error"] for r in results]
     trial: dict[str, Any] = {"rounds_before": [r["next"] for r in results],
@@ -121,7 +134,7 @@ def _fault(srv: Server, mount: Path, seed: int, rounds: list[int]) -> dict[str, 
             trial["to_client_error_s"] = round(max(e["at"] for e in errors) - failed_at, 2)
     if serving is not None:
         trial["to_serving_s"] = round(serving - freed, 2)
-    after = _run_workers(srv.address, seed, [r["next"] for r in results], extra=3)
+    after = _run_workers(clients, seed, [r["next"] for r in results], extra=3)
     trial["next_rounds"] = [r["next"] for r in after]
     trial["error_sample"] = errors[0]["message"][:300] if errors[0] else None
     trial["problem"] = _problem(trial, failed_at, results + after)
@@ -207,14 +220,14 @@ class _HealthPoller:
         self._thread.join()
 
 
-def _run_workers(address: str, seed: int, first: list[int], until_error: bool = False,
+def _run_workers(clients: list[Any], seed: int, first: list[int], until_error: bool = False,
                  extra: int = 0) -> list[dict[str, Any]]:
     """Both workers from their round ``first[w]``: until one fails (``until_error``, at
     most 2,000 rounds) or for ``extra`` rounds past the furthest of them."""
     end = max(first) + (2000 if until_error else extra)
     out: list[dict[str, Any]] = [{} for _ in range(WORKERS)]
     threads = [threading.Thread(target=lambda w=w: out.__setitem__(
-        w, _worker(address, w, seed, first[w], end)), daemon=True) for w in range(WORKERS)]
+        w, _worker(clients[w], w, seed, first[w], end)), daemon=True) for w in range(WORKERS)]
     for t in threads:
         t.start()
     for t in threads:
@@ -222,15 +235,13 @@ def _run_workers(address: str, seed: int, first: list[int], until_error: bool = 
     return out
 
 
-def _worker(address: str, worker: int, seed: int, first: int, end: int) -> dict[str, Any]:
+def _worker(client: Any, worker: int, seed: int, first: int, end: int) -> dict[str, Any]:
     """Rounds ``first`` to ``end`` of both tensors (started together, as the optimizer
     does); what was applied and the error that stopped it."""
     import torch
 
-    from hvd_compress.comm.ps_client import PSClient, PSError
+    from hvd_compress.comm.ps_client import PSError
 
-    client = PSClient(address, worker, workers=WORKERS, timeout=60.0, retry_timeout=60.0,
-                      connect_timeout=30.0)
     applied, error, r = [], None, first
     try:
         for r in range(first, end):
@@ -244,8 +255,6 @@ def _worker(address: str, worker: int, seed: int, first: int, end: int) -> dict[
         r = end
     except PSError as err:
         error = {"code": err.code, "round": err.round, "message": str(err), "at": time.time()}
-    finally:
-        client.close()
     return {"applied": applied, "error": error, "next": r}
 
 
@@ -263,6 +272,10 @@ def _journal_check(ckpt: Path, seed: int, rounds: int) -> dict[str, Any]:
         got = [c.round for c in mine]
         if len(got) < rounds or got != list(range(len(got))):
             problem = f"{tensor}: journaled rounds {got}, expected 0, 1, ... {rounds - 1}"
+            break
+        failed = [c for c in mine if c.error is not None]
+        if failed:
+            problem = f"{tensor}: round {failed[0].round} failed: {failed[0].error[:200]}"
             break
         if not all(is_exact((c.indices, c.values), exact_sum(seed, tensor, c.round, WORKERS))
                    for c in mine):
