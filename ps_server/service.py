@@ -349,7 +349,7 @@ class ShardService:
 
     def _write_recovered(self) -> None:
         log.warning("checkpoint writes to %s work again after %d failed attempts over "
-                    "%.1f s; every finished round is durable, serving again",
+                    "%.1f s; nothing queued was lost, serving again",
                     self.checkpoint.parent, self.failed_writes,
                     time.monotonic() - self._failing_since)
         self.failing = None
