@@ -185,11 +185,11 @@ def main(argv: Sequence[str]) -> int:
     paths = [a for a in argv if a != "--deferred"]
     root = Path(paths[0]) if paths else Path(__file__).resolve().parent.parent
     cycles = find_cycles(import_graph(root, deferred=deferred))
-    what = "import cycle (counting imports in functions)" if deferred else "import cycle"
+    scope = " (counting imports in functions)" if deferred else ""
     for cycle in cycles:
-        print(f"{what}: {describe(cycle)}")
+        print(f"import cycle{scope}: {describe(cycle)}")
     if not cycles:
-        print(f"no {what}s among {', '.join(PACKAGES)}")
+        print(f"no import cycles{scope} among {', '.join(PACKAGES)}")
     return 1 if cycles else 0
 
 

@@ -27,16 +27,6 @@ def _checker() -> ModuleType:
 
 checker = _checker()
 
-KNOWN_DEFERRED = {
-    ("hvd_compress.bench.cluster_rank", "hvd_compress.bench.converge_rank",
-     "hvd_compress.bench.cluster_rank"):
-        "bench: cluster_rank imports converge_rank's CharTransformer in a function, "
-        "converge_rank imports cluster_rank's digits helpers at module level",
-}
-"""Cycles closed only by an import inside a function that are still there, with why; the
-test of each one fails once it is gone, so that it is taken off this list."""
-
-
 def _cycles_text(cycles: list[list[str]]) -> str:
     return "\n".join(checker.describe(c) for c in cycles)
 
@@ -48,15 +38,7 @@ def test_no_import_cycle_at_import_time() -> None:
 
 def test_no_new_cycle_through_imports_in_functions() -> None:
     cycles = checker.find_cycles(checker.import_graph(ROOT, deferred=True))
-    new = [c for c in cycles if tuple(c) not in KNOWN_DEFERRED]
-    assert not new, f"import cycles (counting imports in functions):\n{_cycles_text(new)}"
-
-
-@pytest.mark.xfail(strict=True, reason="; ".join(KNOWN_DEFERRED.values()))
-@pytest.mark.parametrize("cycle", sorted(KNOWN_DEFERRED))
-def test_known_cycle_through_a_function_is_gone(cycle: tuple[str, ...]) -> None:
-    cycles = checker.find_cycles(checker.import_graph(ROOT, deferred=True))
-    assert list(cycle) not in cycles
+    assert not cycles, f"import cycles (counting imports in functions):\n{_cycles_text(cycles)}"
 
 
 def _package(tmp_path: Path, files: dict[str, str]) -> Path:

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from hvd_compress.bench.hosts import interface_counters
+from hvd_compress.bench.models import CharTransformer
 
 BATCH = 32
 BATCHED = "batched-powersgd"
@@ -130,8 +131,6 @@ LM_VOCAB, LM_CONTEXT, LM_BATCH = 96, 32, 16
 
 
 def _transformer(seed: int) -> nn.Module:
-    from hvd_compress.bench.converge_rank import CharTransformer
-
     torch.manual_seed(seed)
     return CharTransformer(LM_VOCAB, LM_CONTEXT, d=256, layers=2, heads=4)
 
