@@ -13,7 +13,10 @@ can make a step slower than sending dense. See docs/benchmarks.md for measuremen
 
 The cost model
 --------------
-For each tensor and each candidate route, the predicted exchange time is::
+Its arithmetic (byte counts per collective, the sum per plan) lives in
+:mod:`hvd_compress.cost_model`, shared with the scale model ``python -m hvd_compress.bench
+model`` (docs/scale-model.md). For each tensor and each candidate route, the predicted
+exchange time is::
 
     t(route) = compute(route) + send_bytes(route) * seconds_per_byte
 
@@ -73,6 +76,14 @@ import torch
 
 from hvd_compress.comm.base import Communicator
 from hvd_compress.comm.ops import AllGather, AllReduce, AllToAll, Collective, SparseSum, nbytes
+from hvd_compress.cost_model import (
+    LinkModel,
+    RouteCost,
+    collectives,
+    kind,
+    predict,
+    send_bytes,
+)
 from hvd_compress.schemes.base import ExchangeContext, Scheme
 from hvd_compress.schemes.dense import FP16, NoCompression
 
@@ -117,37 +128,6 @@ ROUTES = (DENSE, HALF, SCHEME)
 _PROBE_TINY = 256  # float32 elements: 1 KiB, for the latency
 _PROBE_FIRST = 1 << 16  # 256 KiB, the first size for the bandwidth
 _PROBE_LARGEST = 1 << 22  # 16 MiB
-
-
-@dataclass(frozen=True)
-class LinkModel:
-    """What one collective costs on this job's links: ``latency`` seconds, plus
-    ``seconds_per_byte`` for each byte a rank sends."""
-
-    latency: float
-    seconds_per_byte: float
-
-    @property
-    def bandwidth(self) -> float:
-        """Bytes per second one rank sends (``1 / seconds_per_byte``)."""
-        return 1.0 / max(self.seconds_per_byte, 1e-15)
-
-
-@dataclass(frozen=True)
-class RouteCost:
-    """One route's measured costs for one tensor: its compute seconds, the bytes it puts
-    on this rank's link, and the kind of each round's request (:func:`kind`)."""
-
-    compute: float
-    send_bytes: float
-    kinds: tuple[str, ...]
-
-    @property
-    def rounds(self) -> int:
-        return len(self.kinds)
-
-    def seconds(self, link: LinkModel) -> float:
-        return self.compute + self.send_bytes * link.seconds_per_byte
 
 
 @dataclass
@@ -345,51 +325,7 @@ def _cheapest(costs: Mapping[str, RouteCost], link: LinkModel, without: Sequence
     return best
 
 
-def collectives(costs: Mapping[str, Mapping[str, RouteCost]], routes: Mapping[str, str]) -> int:
-    """Collectives a step of these routes starts: one per distinct (round, kind) of fusable
-    requests, one per tensor and round of the others."""
-    fused: set[tuple[int, str]] = set()
-    alone = 0
-    for name, route in routes.items():
-        for i, what in enumerate(costs[name][route].kinds):
-            if what == "sparse":
-                alone += 1
-            else:
-                fused.add((i, what))
-    return len(fused) + alone
-
-
-def predict(costs: Mapping[str, Mapping[str, RouteCost]], routes: Mapping[str, str],
-            link: LinkModel) -> float:
-    """Predicted exchange seconds per step: every tensor's route cost, plus one latency per
-    collective the step starts (:func:`collectives`)."""
-    return sum(costs[n][r].seconds(link) for n, r in routes.items()) + \
-        link.latency * collectives(costs, routes)
-
-
 # Measuring ------------------------------------------------------------------------------
-def send_bytes(op: Collective, size: int) -> float:
-    """Bytes this rank puts on its link for ``op`` among ``size`` ranks (module docstring)."""
-    b = nbytes(op)
-    if isinstance(op, AllReduce):
-        return 2 * (size - 1) / size * b
-    if isinstance(op, AllToAll):
-        return (size - 1) / size * b
-    return (size - 1) * b  # AllGather, SparseSum
-
-
-def kind(op: Collective) -> str:
-    """``allreduce``, ``alltoall``, ``allgather`` (requests of one kind and round fuse), or
-    ``sparse`` (a sparse sum, or an all-gather without sizes: never fused)."""
-    if isinstance(op, AllReduce):
-        return "allreduce"
-    if isinstance(op, AllToAll):
-        return "alltoall"
-    if isinstance(op, AllGather) and op.sizes is not None:
-        return "allgather"
-    return "sparse"
-
-
 def echo(op: Collective, rank: int, size: int) -> Any:
     """The result ``op`` would have if every rank had sent what this one sent."""
     if isinstance(op, AllReduce):
@@ -417,12 +353,12 @@ def measure_route(scheme: Scheme, shape: torch.Size, rank: int, size: int,
     gen.manual_seed(1234 + rank)
     x = torch.randn(shape, generator=gen, device=device)
     best = float("inf")
-    sent, kinds = 0.0, []
+    sent, kinds, payloads = 0.0, [], []
     state: Mapping[str, torch.Tensor] = {}
     for _ in range(repeats):
         ctx = ExchangeContext("hvdc.auto.measure", rank, size, step=1 << 30)
         exchange = scheme.exchange(x, state, ctx)
-        sent, kinds, spent = 0.0, [], 0.0
+        sent, kinds, payloads, spent = 0.0, [], [], 0.0
         result: Any = None
         while True:
             started = time.perf_counter()
@@ -435,9 +371,10 @@ def measure_route(scheme: Scheme, shape: torch.Size, rank: int, size: int,
             spent += time.perf_counter() - started
             sent += send_bytes(op, size)
             kinds.append(kind(op))
+            payloads.append(float(nbytes(op)))
             result = echo(op, rank, size)
         best = min(best, spent)
-    return RouteCost(best, sent, tuple(kinds))
+    return RouteCost(best, sent, tuple(kinds), tuple(payloads))
 
 
 def probe_link(run: Run, size: int, device: torch.device, probe_seconds: float) -> LinkModel:
@@ -478,7 +415,7 @@ def _agree_costs(measured: Mapping[str, Mapping[str, RouteCost]], names: Sequenc
     costs: dict[str, dict[str, RouteCost]] = {n: {} for n in names}
     for (name, route), compute in zip(keys, agreed, strict=False):
         cost = measured[name][route]
-        costs[name][route] = RouteCost(compute / size, cost.send_bytes, cost.kinds)
+        costs[name][route] = dataclasses.replace(cost, compute=compute / size)
     return costs
 
 
