@@ -69,15 +69,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.backward_passes_per_step = backward_passes_per_step
         self._delay = {p: backward_passes_per_step for p in self._parameter_names}
         self.sparse_as_dense = sparse_as_dense
-        horovod = HorovodTorchCommunicator(process_set)
-        comm: Communicator = horovod
-        if collectives != "horovod":  # a torch.distributed group of that backend
-            comm = TorchDistCommunicator(horovod_group(hvd, collectives), horovod)
+        self._wiring = (process_set, collectives, ps, connect_timeout)
+        session = None
         if ps:
             session = hvd.broadcast_object(os.urandom(4).hex(), root_rank=0,
-                                           process_set=horovod.process_set)
-            comm = ParameterServerCommunicator(
-                comm, connect(ps, comm.rank, connect_timeout=connect_timeout), session)
+                                           process_set=process_set or hvd.global_process_set)
+        comm = self._communicator(session)
         self._pipeline = Pipeline(
             compression, comm, policy,
             average=(op == hvd.Average), prescale=gradient_predivide_factor, seed=seed,
@@ -101,6 +98,35 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._pipeline.plan([self._parameter_names[p] for p in backward_order],
                             [p.shape for p in backward_order],
                             backward_order[0].device if backward_order else "cpu")
+
+    def _communicator(self, session: str | None) -> Communicator:
+        """The communicator of Horovod's current ranks (parameter-server rounds under
+        ``session`` when a ``ps=`` was given)."""
+        process_set, collectives, ps, connect_timeout = self._wiring
+        horovod = HorovodTorchCommunicator(process_set)
+        comm: Communicator = horovod
+        if collectives != "horovod":  # a torch.distributed group of that backend
+            comm = TorchDistCommunicator(horovod_group(hvd, collectives), horovod)
+        if ps:
+            comm = ParameterServerCommunicator(
+                comm, connect(ps, comm.rank, connect_timeout=connect_timeout), session)
+        return comm
+
+    def _rewire(self, session: str | None) -> None:
+        """Exchange over Horovod's ranks as they are now (after an elastic reset changed
+        them), with parameter-server rounds under the new ``session``; the compression
+        state is kept. Used by :mod:`hvd_compress.torch.elastic`."""
+        old = self._pipeline.comm
+        client = getattr(old, "client", None)
+        if client is not None:
+            client.close()
+        comm = self._communicator(session)
+        self._pipeline.comm = comm
+        self._pipeline.routes.comm = comm
+        self._submitted.clear()
+        self._synchronized = False
+        for p in self._delay:
+            self._delay[p] = self.backward_passes_per_step
 
     # Backward hook: start communication as soon as a gradient is complete ---------------
     def _on_grad(self, p: torch.Tensor) -> None:
