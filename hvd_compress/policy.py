@@ -261,9 +261,7 @@ class Auto:
                         continue
                     measured[name][route] = measure_route(scheme, shape, rank, size, device)
             costs = _agree_costs(measured, names, run, size, device)
-        plans = [{name: _cheapest(costs[name], link, without,
-                                  current.routes.get(name) if current is not None else None)
-                  for name in names} for without in ((), (HALF,), (SCHEME,), (HALF, SCHEME))]
+        plans = cheapest_plans(costs, link, current)
         dense_predicted = predict(costs, plans[-1], link)
         routes = min(plans, key=lambda plan: predict(costs, plan, link))
         routes = _from_rank0(routes, names, run, rank, device)
@@ -311,6 +309,17 @@ class Auto:
 
 HYSTERESIS = 0.2
 """A route changes only for one predicted at least this much (a fraction) cheaper."""
+
+
+def cheapest_plans(costs: Mapping[str, Mapping[str, RouteCost]], link: LinkModel,
+                   current: Decision | None = None) -> list[dict[str, str]]:
+    """The plans :meth:`Auto.decide` compares (module docstring): every tensor on its
+    cheapest route; the same without fp16; without the scheme; all dense (last). With a
+    ``current`` decision a tensor keeps its route unless another is :data:`HYSTERESIS`
+    cheaper."""
+    return [{name: _cheapest(costs[name], link, without,
+                             current.routes.get(name) if current is not None else None)
+             for name in sorted(costs)} for without in ((), (HALF,), (SCHEME,), (HALF, SCHEME))]
 
 
 def _cheapest(costs: Mapping[str, RouteCost], link: LinkModel, without: Sequence[str],

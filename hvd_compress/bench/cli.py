@@ -1,5 +1,5 @@
 """Command line: ``python -m hvd_compress.bench
-{wire,kernels,ps,link,cluster,overhead,converge} [options]``."""
+{wire,kernels,ps,link,cluster,overhead,converge,model} [options]``."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from hvd_compress.bench import (
     converge,
     kernels,
     link,
+    model,
     overhead,
     ps,
     selection,
@@ -215,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="turns of all systems (default 3)")
     over.add_argument("--rank", type=_positive_int, default=4,
                       help="PowerSGD's rank, both systems (default 4)")
+    model.add_parser(commands)
     conv = commands.add_parser("converge", help="held-out loss and accuracy of every scheme "
                                "at its recommended settings against uncompressed, 2 ranks")
     conv.add_argument("--out-dir", type=Path, help="write converge.json, converge.md, "
@@ -392,6 +394,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _kernels(args)
     elif args.command == "cluster":
         return _cluster(args)
+    elif args.command == "model":
+        return model.main(args)
     elif args.command == "converge":
         _converge(args, argv)
     elif args.command == "overhead":

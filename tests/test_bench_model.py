@@ -1,0 +1,142 @@
+"""The scale model (``python -m hvd_compress.bench model``, docs/scale-model.md): its byte
+counts against a real exchange on in-process ranks, its monotonicity, the two-level and
+server routes, Auto's choice, the fit against a cluster run, and the command line."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from hvd_compress import Compression, Policy
+from hvd_compress.bench import model
+from hvd_compress.bench.cli import main
+from hvd_compress.bench.wire_bytes import measure_step
+
+SHAPES = {"w": (64, 256), "v": (128, 128), "b": (64,)}
+
+
+def flat(hosts: int = 4, **options: object) -> model.Cluster:
+    return model.Cluster(hosts=hosts, per_host=1, copy_bytes_per_s=1e10, **options)
+
+
+@pytest.mark.parametrize("spec", ["none", "onebit", "qsgd:bits=4", "topk:ratio=0.01"])
+def test_host_bytes_equal_the_collectives_of_a_real_exchange(spec: str) -> None:
+    """Four in-process ranks run the pipeline; the bytes of each round's requests, put
+    through the textbook per-rank counts (ring all-reduce 2 (p - 1) / p, all-to-all
+    (p - 1) / p, all-gather p - 1), equal what the model says a host sends."""
+    ranks = 4
+    stats = measure_step(Compression.parse(spec), Policy(min_numel=1024), SHAPES, ranks)
+    factor = {"dense": 2 * (ranks - 1) / ranks, "scatter": (ranks - 1) / ranks,
+              "gather": ranks - 1, "sparse": ranks - 1}
+    by_hand = sum(factor[name] * sent for name, sent in stats.collective_bytes.items())
+    predicted = model.predict_job(model.Job(SHAPES, spec), flat(ranks)).host_bytes
+    # top-k's index coding depends on which indices were chosen: the random data differ
+    assert predicted == pytest.approx(by_hand, rel=0.1 if "topk" in spec else 1e-9)
+
+
+def test_dense_bytes_and_transfer_follow_the_ring_formula() -> None:
+    pred = model.predict_job(model.Job({"w": (1000, 1000)}), flat(8, rate_bits=1e9))
+    assert pred.host_bytes == pytest.approx(2 * 7 / 8 * 4e6)
+    assert pred.terms["transfer"] == pytest.approx(2 * 7 / 8 * 4e6 * 8 / 1e9)
+
+
+def test_step_time_falls_as_the_link_gets_faster() -> None:
+    for spec in ("none", "onebit", "powersgd:rank=4"):
+        steps = [model.predict_job(model.Job(SHAPES, spec), flat(rate_bits=r)).step_s
+                 for r in (1e8, 1e9, 1e10, 1e11)]
+        assert steps == sorted(steps, reverse=True) and steps[0] > steps[-1]
+
+
+def test_latency_adds_once_per_hop_of_each_collective() -> None:
+    job = model.Job({"w": (256, 256)})
+    slow = model.predict_job(job, flat(8, latency_s=1e-3)).step_s
+    fast = model.predict_job(job, flat(8)).step_s
+    assert slow - fast == pytest.approx(2 * 7 * 1e-3)  # one ring all-reduce: 2 (p - 1) hops
+
+
+def test_two_level_carries_one_gather_per_host_instead_of_one_per_rank() -> None:
+    """All-gathered payloads (1-bit's gather, top-k's pairs) cross a host link once per
+    host in two-level, once per rank when flat: about L times fewer bytes."""
+    cluster = model.Cluster(hosts=4, per_host=4, copy_bytes_per_s=1e10)
+    shapes = {"w": (1024, 1024)}
+    for spec in ("topk:ratio=0.01",):
+        flat_bytes = model.predict_job(model.Job(shapes, spec), cluster).host_bytes
+        two = model.predict_job(model.Job(shapes, spec, two_level=True), cluster).host_bytes
+        assert flat_bytes / two == pytest.approx(15 / 3, rel=0.15)  # (p - 1) / (W - 1)
+
+
+def test_server_traffic_per_worker_does_not_grow_with_workers_in_topk_mode() -> None:
+    shapes = {"w": (1024, 1024)}
+    job = model.Job(shapes, "topk:ratio=0.01", route="ps", server_mode="topk")
+    union = dataclasses.replace(job, server_mode="union")
+    small, large = (model.predict_job(job, flat(w)).terms["transfer"] for w in (2, 16))
+    grows = model.predict_job(union, flat(16)).terms["transfer"]
+    assert grows > large
+    # the shard's link carries every worker's push and pull: w / shards of them
+    sharded = dataclasses.replace(job, shards=16)
+    assert model.predict_job(sharded, flat(16)).terms["transfer"] < large
+    assert small < large
+
+
+def test_auto_sends_dense_on_a_fast_link_and_compresses_on_a_slow_one() -> None:
+    shapes = {"w": (2048, 2048), "b": (2048,)}
+    slow = model.predict_job(model.Job(shapes, "auto:powersgd:rank=4"), flat(rate_bits=1e8))
+    fast = model.predict_job(model.Job(shapes, "auto:powersgd:rank=4"),
+                             flat(rate_bits=1e13, codec_scale=100.0))
+    assert slow.routes["w"] == "scheme"
+    assert fast.routes["w"] != "scheme"
+    assert slow.routes["b"] != "scheme"  # the policy keeps a bias off the scheme
+
+
+def test_fit_recovers_the_parameters_that_made_the_rows() -> None:
+    """Rows made by the model with known terms: fitting them gives the terms back, and
+    every row is then predicted exactly."""
+    tensors = model.model_tensors("tiny")
+    truth = model.Cluster(hosts=4, copy_bytes_per_s=1e10, compute_s=0.01,
+                          codec_scale=3.0, cpu_s_per_byte=2e-9, gather_factor=1.4,
+                          stock_s_per_byte=3e-9, reduce_s_per_byte=1e-8)
+    rows = []
+    for system, scheme in [("hvd-compress", "none"), ("hvd-compress", "fp16"),
+                           ("hvd-compress", "powersgd:rank=4,start_iter=2"),
+                           ("hvd-compress", "onebit"), ("horovod", "fp16"),
+                           ("horovod-mpi", "none"), ("ddp", "none")]:
+        for link, bits in (("100mbit", 1e8), ("1gbit", 1e9), ("10gbit", 1e10)):
+            row = {"system": system, "scheme": scheme, "link": link, "link_bits": bits,
+                   "ranks": 4, "model": "tiny", "settings": {"HOROVOD_CYCLE_TIME": "10"}}
+            job, cluster = model.row_case(row, tensors, truth, 1.0)
+            rows.append({**row, "step_s": model.predict_job(job, cluster).step_s})
+    start = dataclasses.replace(truth, codec_scale=1.0, cpu_s_per_byte=0.0,
+                                gather_factor=1.0, stock_s_per_byte=0.0,
+                                reduce_s_per_byte=0.0)
+    checked, fitted = model.check(rows, start)
+    assert fitted.cpu_s_per_byte == pytest.approx(2e-9, rel=0.05)
+    assert fitted.gather_factor == pytest.approx(1.4, rel=0.05)
+    assert fitted.stock_s_per_byte == pytest.approx(3e-9, rel=0.05)
+    assert max(abs(r["error"]) for r in checked) < 0.02
+
+
+def test_gpt_tensors_have_about_the_parameters_asked() -> None:
+    tensors = model.gpt_tensors(1.3e9)
+    total = sum(math.prod(s) for s in tensors.values())
+    assert abs(total - 1.3e9) / 1.3e9 < 0.05
+
+
+def test_command_line_predicts_a_job_and_refuses_a_bad_one(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"a": [256, 512], "a_bias": [256]}))
+    out = tmp_path / "pred.json"
+    assert main(["model", "--plan", str(plan), "--hosts", "2", "--per-host", "2",
+                 "--scheme", "onebit", "--two-level", "--copy-gbps", "5",
+                 "--json", str(out)]) == 0
+    row = json.loads(out.read_text())
+    assert row["step_s"] > 0 and row["routes"] == {"a": "scheme", "a_bias": "dense"}
+    with pytest.raises(SystemExit):
+        main(["model", "--plan", str(plan), "--route", "nowhere"])
+    assert "--route" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="hosts"):
+        main(["model", "--plan", str(plan), "--hosts", "0", "--copy-gbps", "5"])
