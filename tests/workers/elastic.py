@@ -1,0 +1,77 @@
+"""Rank side of tests/test_elastic_horovodrun.py: examples/elastic_digits.py under
+``horovodrun`` elastic, resized by rewriting the discovery script's hosts file at given
+steps and with a worker killed (SIGKILL) while its gradients are in flight. Every step
+every rank's parameters are compared (a digest through ``allgather_object``); rank 0
+writes the accuracy, the resets, the world sizes seen and any mismatch to ``--out``."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import time
+
+import horovod.torch as hvd
+import torch
+
+from examples.digits import accuracy, load_split
+from examples.elastic_digits import build, train
+from hvd_compress.torch.elastic import TorchState
+
+
+def digest(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--scheme", required=True)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--hosts", help="the discovery script's hosts file")
+    parser.add_argument("--resize", default="",
+                        help="STEP=HOST:SLOTS+HOST:SLOTS;... written by rank 0 at STEP")
+    parser.add_argument("--kill-step", type=int, default=-1)
+    parser.add_argument("--kill-host", default="127.0.0.1")
+    parser.add_argument("--ps", default=None)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    resize = {int(step): hosts.replace("+", "\n") + "\n"
+              for step, hosts in (item.split("=") for item in args.resize.split(";") if item)}
+
+    hvd.init()
+    torch.set_num_threads(1)
+    state = build(args.scheme, 0.1, 0.5, 0, args.ps, pool_on_commit=False)
+    seen = {"sizes": [], "mismatches": [], "checks": 0}
+
+    def hook(state: TorchState, where: str) -> None:
+        host = os.environ.get("HOROVOD_HOSTNAME")
+        if where == "backward":
+            if state.step == args.kill_step and host == args.kill_host:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return
+        digests = hvd.allgather_object(digest(state.model))
+        seen["checks"] += 1
+        if len(set(digests)) != 1:
+            seen["mismatches"].append(state.step)
+        if not seen["sizes"] or seen["sizes"][-1][1] != hvd.size():
+            seen["sizes"].append((state.step, hvd.size()))
+        if hvd.rank() == 0 and state.step in resize and args.hosts:
+            with open(args.hosts, "w") as f:
+                f.write(resize[state.step])
+            time.sleep(4)  # the driver reads the script every second: notified by the commit
+
+    resets = train(state, args.steps, hook=hook)
+    _, _, x_test, y_test = load_split(0)
+    if hvd.rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump({"accuracy": accuracy(state.model, x_test, y_test),
+                       "resets": resets, "size": hvd.size(), **seen}, f)
+
+
+if __name__ == "__main__":
+    main()
