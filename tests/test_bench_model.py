@@ -107,7 +107,7 @@ def test_fit_recovers_the_parameters_that_made_the_rows() -> None:
         for link, bits in (("100mbit", 1e8), ("1gbit", 1e9), ("10gbit", 1e10)):
             row = {"system": system, "scheme": scheme, "link": link, "link_bits": bits,
                    "ranks": 4, "model": "tiny", "settings": {"HOROVOD_CYCLE_TIME": "10"}}
-            job, cluster = model.row_case(row, tensors, truth, 1.0)
+            job, cluster = model.row_case(row, tensors, truth, 0.1)
             rows.append({**row, "step_s": model.predict_job(job, cluster).step_s})
     start = dataclasses.replace(truth, codec_scale=1.0, cpu_s_per_byte=0.0,
                                 gather_factor=1.0, stock_s_per_byte=0.0,
@@ -140,3 +140,18 @@ def test_command_line_predicts_a_job_and_refuses_a_bad_one(
     assert "--route" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="hosts"):
         main(["model", "--plan", str(plan), "--hosts", "0", "--copy-gbps", "5"])
+
+
+def test_crossover_separates_where_compression_pays_from_where_it_does_not() -> None:
+    base = model.Cluster(hosts=1, per_host=2, copy_bytes_per_s=1e10,
+                         codec_bytes_per_s=2e9, cycle_s=1e-4)
+    shapes = {"w": (512, 512)}
+    rate = model.crossover(shapes, ["none", "onebit"], 8, base)
+    assert rate is not None and rate > 0
+
+    def fastest(gbit: float) -> str:
+        rows = model.table(shapes, ["none", "onebit"], [8], [gbit], base)
+        return min(rows, key=lambda r: r["step_s"])["scheme"]
+
+    assert fastest(rate / 2) == "onebit"
+    assert fastest(rate * 2) == "none"

@@ -22,7 +22,8 @@ The model, per step (every term from :mod:`hvd_compress.cost_model`)::
   or the server's byte count (:func:`host_bytes`); ``(1 + header_share) / rate +
   cpu_s_per_byte`` seconds per byte, the second term the hosts' CPU per byte moved through
   their network stack (fitted for the emulated cluster, 0 by default).
-* ``cycle``: a fixed cost per collective (Horovod's negotiation cycle), ``hops``: see
+* ``cycle``: a fixed cost per fused round (Horovod's negotiation cycle: a round's further
+  buckets run in the same cycle and add their hops only), ``hops``: see
   :func:`hvd_compress.cost_model.hops`.
 
 Two-level: ranks of a host reduce-scatter dense over the host's link (``intra_bits``), each
@@ -236,6 +237,7 @@ def profile(spec: str, route: str, shape: tuple[int, ...], repeats: int = 3) -> 
     return Profile(two.kinds, payload, _fit(two.compute, four.compute, False))
 
 
+@cache
 def _route_scheme(spec: str, route: str) -> Scheme:
     parsed = Compression.parse(spec)
     if isinstance(parsed, Auto):
@@ -245,12 +247,14 @@ def _route_scheme(spec: str, route: str) -> Scheme:
     return Compression.parse("none" if route == DENSE else "fp16")
 
 
+@cache
 def _allowed(spec: str, shape: tuple[int, ...]) -> bool:
     parsed = Compression.parse(spec)
     scheme = parsed.scheme if isinstance(parsed, Auto) else parsed
     return Policy().compresses(scheme, torch.Size(shape))
 
 
+@cache
 def scheme_routes(spec: str) -> tuple[str, ...]:
     """Routes a tensor of this scheme may take: ``scheme`` and ``dense``; with ``auto``
     also ``fp16``."""
@@ -304,6 +308,7 @@ class Prediction:
                 "routes": dict(sorted(self.routes.items()))}
 
 
+@cache
 def _pairs(shape: tuple[int, ...], spec: str) -> float:
     """Pairs a sparse scheme sends for ``shape`` (its ratio times the elements)."""
     scheme = _route_scheme(spec, SCHEME)
@@ -425,32 +430,35 @@ class Model:
         numel = sum(math.prod(s) for s in job.tensors.values())
         count = (1 + 2 * self.error_feedback) * job.pipeline + 2 * (job.element_bytes == 2)
         passes = count * 4 * numel / c.copy_bytes_per_s * c.codec_scale
-        exchange = predict(costs, routes, link) + c.cycle_s * fused
-        hop = c.latency_s * sum(hops(k, self._peers()) for k in kinds)
+        exchange = predict(costs, routes, link)
+        hop = c.latency_s * sum(hops(k, self._peers()) for k in kinds + fused)
         intra = self._intra_seconds(numel, routes)
         terms = {"compute": c.compute_s, "passes": passes,
                  "codec": sum(costs[n][r].compute for n, r in routes.items()),
                  "transfer": sum(costs[n][r].send_bytes for n, r in routes.items())
                  * link.seconds_per_byte,
-                 "collectives": c.cycle_s * (len(kinds) + fused) + hop, "intra": intra}
+                 "collectives": c.cycle_s * len(kinds) + hop, "intra": intra}
         sent = sum(self.true_bytes[(n, r)] for n, r in routes.items())
         wire = terms["transfer"]
         cpu = sent * c.cpu_s_per_byte if c.overlap else 0.0
         terms["cpu_beyond_wire"] = max(cpu - wire, 0.0)
         step = c.compute_s + passes + exchange + hop + intra + terms["cpu_beyond_wire"]
-        return Prediction(step, terms, sent, len(kinds) + fused, routes)
+        return Prediction(step, terms, sent, len(kinds) + len(fused), routes)
 
     def _fusion_split(self, costs: Mapping[str, Mapping[str, RouteCost]],
-                      routes: Mapping[str, str]) -> int:
-        """Collectives beyond one per fused round: a round whose requests exceed the
-        fusion threshold takes ``ceil(bytes / fusion_bytes)``."""
+                      routes: Mapping[str, str]) -> list[str]:
+        """The kinds of the collectives beyond one per fused round: the tensors of a round
+        are fused in buckets of ``fusion_bytes`` of gradient, so a round over more takes
+        ``ceil(bytes / fusion_bytes)`` collectives. They run in the same negotiation cycle
+        (Horovod starts every fused response that is ready), so they add hops, no cycle."""
         total: dict[tuple[int, str], float] = {}
         for name, route in routes.items():
-            cost = costs[name][route]
-            for i, (what, payload) in enumerate(zip(cost.kinds, cost.payloads, strict=True)):
+            grad = math.prod(self.job.tensors[name]) * self.job.element_bytes
+            for i, what in enumerate(costs[name][route].kinds):
                 if what not in (SPARSE, SERVER):
-                    total[(i, what)] = total.get((i, what), 0.0) + payload
-        return sum(max(math.ceil(b / self.job.fusion_bytes), 1) - 1 for b in total.values())
+                    total[(i, what)] = total.get((i, what), 0.0) + grad
+        return [what for (_, what), b in total.items()
+                for _ in range(max(math.ceil(b / self.job.fusion_bytes), 1) - 1)]
 
     def _intra_seconds(self, numel: int, routes: Mapping[str, str]) -> float:
         """Two-level: a dense reduce-scatter and all-gather inside the host, ``2 (L - 1) /
@@ -562,6 +570,29 @@ def _table_routes(spec: str) -> tuple[str, ...]:
     return ("allgather", "ps") if SPARSE in kinds else ("native",)
 
 
+def crossover(tensors: Mapping[str, tuple[int, ...]], schemes: Sequence[str], gpus: int,
+              base: Cluster, low: float = 1.0, high: float = 1e5) -> float | None:
+    """The host link rate (Gbit/s) above which no compressed configuration of ``schemes``
+    beats the fastest dense one (``none`` flat or two-level) on ``gpus`` GPUs: bisection
+    on a log scale in ``[low, high]``; ``None`` if compression still pays at ``high``, 0
+    if it does not pay even at ``low``."""
+    hosts = max(gpus // base.per_host, 1)
+
+    def gain(rate: float) -> float:
+        rows = table(tensors, schemes, [hosts * base.per_host], [rate], base)
+        dense = min(r["step_s"] for r in rows if r["scheme"] == "none")
+        return dense - min(r["step_s"] for r in rows if r["scheme"] != "none")
+
+    if gain(high) > 0:
+        return None
+    if gain(low) <= 0:
+        return 0.0
+    for _ in range(20):
+        mid = math.sqrt(low * high)
+        low, high = (mid, high) if gain(mid) > 0 else (low, mid)
+    return math.sqrt(low * high)
+
+
 def winners(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Per (rate, GPUs): the fastest configuration, the fastest dense one (``none``, flat
     or two-level) and the speedup of the winner over it."""
@@ -599,10 +630,11 @@ float16), applied to its rows only (``reduce_s_per_byte`` to the Gloo controller
 
 
 def row_case(row: Mapping[str, Any], tensors: Mapping[str, tuple[int, ...]],
-             base: Cluster, hook_factor: float) -> tuple[Job, Cluster]:
+             base: Cluster, hook_s: float) -> tuple[Job, Cluster]:
     """The job and cluster of one ``bench cluster`` row: its system (hvd-compress's
-    pipeline; stock Horovod: one fused all-reduce; DDP: 25 MB buckets, no cycle), scheme,
-    link rate and latency, ranks (one per host) and Horovod cycle time."""
+    pipeline; stock Horovod: one fused all-reduce; DDP: 25 MB buckets, no cycle; DDP's
+    PowerSGD hook taking ``hook_s`` seconds per step), scheme, link rate and latency,
+    ranks (one per host) and Horovod cycle time."""
     system, scheme = str(row["system"]), str(row["scheme"])
     settings = row.get("settings") or {}
     cycle = float(settings.get("HOROVOD_CYCLE_TIME", 0)) / 1e3
@@ -622,7 +654,8 @@ def row_case(row: Mapping[str, Any], tensors: Mapping[str, tuple[int, ...]],
     if system == "ddp":
         bucket = float(settings.get("bucket_cap_mb") or 25) * (1 << 20)
         if "powersgd" in scheme:
-            cluster = dataclasses.replace(cluster, codec_scale=cluster.codec_scale * hook_factor)
+            coded = sum(math.prod(s) for s in tensors.values() if len(s) > 1)
+            cluster = dataclasses.replace(cluster, codec_bytes_per_s=4 * coded / hook_s)
             return Job(tensors, scheme, fusion_bytes=bucket, pipeline=False), cluster
         return Job(tensors, "none", fusion_bytes=bucket, pipeline=False,
                    element_bytes=2 if scheme == "fp16" else 4), cluster
@@ -664,7 +697,7 @@ FIT_START = {"cpu_s_per_byte": 1e-8, "gather_factor": 4.0, "codec_scale": 8.0,
 
 
 def fit(rows: Sequence[Mapping[str, Any]], tensors: Mapping[str, tuple[int, ...]],
-        base: Cluster, hook_factor: float) -> Cluster:
+        base: Cluster, hook_s: float) -> Cluster:
     """``base`` with the :data:`FITS` parameters fitted, each so that its row's predicted
     step equals the measured one (bisection; the model's step grows with each)."""
     for name, system, scheme, link in FITS * FIT_ROUNDS:
@@ -674,14 +707,14 @@ def fit(rows: Sequence[Mapping[str, Any]], tensors: Mapping[str, tuple[int, ...]
         def error(value: float, name: str = name, row: Mapping[str, Any] = row,
                   base: Cluster = base, floor: float = floor) -> float:
             trial = dataclasses.replace(base, **{name: floor + value})
-            job, cluster = row_case(row, tensors, trial, hook_factor)
+            job, cluster = row_case(row, tensors, trial, hook_s)
             return predict_job(job, cluster).step_s - float(row["step_s"])
 
         base = dataclasses.replace(base, **{name: floor + _solve(error, FIT_START[name])})
     return base
 
 
-def check(rows: Sequence[Mapping[str, Any]], base: Cluster, hook_factor: float = 1.0,
+def check(rows: Sequence[Mapping[str, Any]], base: Cluster, hook_s: float = 0.1,
           fitted: bool = True) -> tuple[list[dict[str, Any]], Cluster]:
     """Every step-time row of a ``bench cluster`` run (rows with a ``step_s`` and a model
     of :data:`~hvd_compress.bench.cluster_rank.MODELS`, not the compute floor) predicted
@@ -696,17 +729,18 @@ def check(rows: Sequence[Mapping[str, Any]], base: Cluster, hook_factor: float =
     used = base
     for model, mine in by_model.items():
         tensors = model_tensors(model)
-        params = fit(mine, tensors, base, hook_factor) if fitted else base
+        params = fit(mine, tensors, base, hook_s) if fitted else base
         used = params
         fits = {(s, sc, lk) for _, s, sc, lk in FITS}
         for row in mine:
-            job, cluster = row_case(row, tensors, params, hook_factor)
+            job, cluster = row_case(row, tensors, params, hook_s)
             pred = predict_job(job, cluster)
             measured = float(row["step_s"])
             out.append({"system": row["system"], "scheme": row["scheme"],
                         "link": row["link"], "model": model, "measured_s": measured,
                         "predicted_s": pred.step_s, "error": pred.step_s / measured - 1,
-                        "fitted_here": (row["system"], row["scheme"], row["link"]) in fits,
+                        "fitted_here": fitted and (row["system"], row["scheme"],
+                                                   row["link"]) in fits,
                         "measured_mb": float(row.get("tx_payload_bytes_per_step") or 0) / 1e6,
                         "predicted_mb": pred.host_bytes / 1e6,
                         **{f"{k}_s": v for k, v in pred.terms.items()}})
@@ -777,6 +811,9 @@ def add_parser(commands: Any) -> None:
                         "hook against our PowerSGD); default docs/results/overhead")
     p.add_argument("--cores", type=int, default=2,
                    help="with --check: the cores the emulated hosts shared (default 2)")
+    p.add_argument("--no-fit", action="store_true",
+                   help="with --check: no fitted terms (codec seconds times the cores' "
+                        "contention, nothing else): what the plain model predicts")
     p.add_argument("--overlap", action="store_true",
                    help="the hosts' CPU per byte overlaps the wire (default: adds to it)")
     p.add_argument("--table", action="store_true",
@@ -797,8 +834,10 @@ def _tensors(args: Any) -> dict[str, tuple[int, ...]]:
     return model_tensors(args.model)
 
 
-def _base(args: Any) -> Cluster:
-    copy = args.copy_gbps * 1e9 if args.copy_gbps else copy_throughput()
+def _base(args: Any, measure_copy: bool = True) -> Cluster:
+    copy = args.copy_gbps * 1e9 if args.copy_gbps else None
+    if copy is None:
+        copy = copy_throughput() if measure_copy else Cluster.copy_bytes_per_s
     return Cluster(hosts=args.hosts, per_host=args.per_host, rate_bits=args.rate_gbit * 1e9,
                    latency_s=args.latency_us * 1e-6, intra_bits=args.intra_gbit * 1e9,
                    cycle_s=args.cycle_ms / 1e3, codec_scale=args.codec_scale,
@@ -814,6 +853,14 @@ def _write(args: Any, payload: Any, markdown: str) -> None:
     if args.markdown is not None:
         args.markdown.write_text(markdown + "\n")
         print(f"wrote {args.markdown}")
+
+
+def pass_throughput(one_rank: Mapping[str, Any]) -> float:
+    """Bytes per second of the pipeline's passes, from a ``bench overhead`` row: our
+    PowerSGD's ``feedback`` and ``commit`` seconds are its three passes (residual added,
+    residual kept, result written) over every float32 gradient."""
+    phases = one_rank["ours_phases_s"]
+    return 3 * 4 * one_rank["parameters"] / (phases["feedback"] + phases["commit"])
 
 
 def _run_check(args: Any) -> int:
@@ -832,19 +879,24 @@ def _run_check(args: Any) -> int:
         ranks = max(int(r["ranks"]) for r in rows if r.get("model") == name)
         contention = max(ranks / args.cores, 1.0)
         base = dataclasses.replace(
-            _base(args), header_share=TCP_HEADER_SHARE,
-            compute_s=o["step_s"]["floor"] * contention, latency_s=0.0)
+            _base(args, measure_copy=False), header_share=TCP_HEADER_SHARE, copy_bytes_per_s=(
+                args.copy_gbps * 1e9 if args.copy_gbps else pass_throughput(o)),
+            compute_s=o["step_s"]["floor"] * contention, latency_s=0.0,
+            codec_scale=contention)
         mine = [r for r in rows if r.get("model") == name]
-        checked, used = check(mine, base, o["hook_wall_s"] / o["ours_phases_s"]["scheme"])
+        hook_s = o["hook_wall_s"] * contention
+        checked, used = check(mine, base, hook_s, fitted=not args.no_fit)
         out += checked
         fitted[name] = {**dataclasses.asdict(used), "contention": contention,
-                        "hook_factor": o["hook_wall_s"] / o["ours_phases_s"]["scheme"]}
+                        "ddp_hook_s": hook_s}
     worst = max(abs(r["error"]) for r in out)
     within = sum(abs(r["error"]) <= 0.2 for r in out)
+    fits = [] if args.no_fit else [list(f) for f in FITS]
+    named = ", ".join(f"{n} on {s} {sc} {lk}" for n, s, sc, lk in fits) or "nothing"
     text = "\n".join([markdown_table(out, CHECK_COLUMNS), "",
                       f"{within} of {len(out)} rows within 20% (worst {worst * 100:.1f}%); "
-                      f"fitted: {', '.join(f'{n} on {s} {sc} {lk}' for n, s, sc, lk in FITS)}"])
-    _write(args, {"rows": out, "parameters": fitted, "fits": [list(f) for f in FITS],
+                      f"fitted: {named}"])
+    _write(args, {"rows": out, "parameters": fitted, "fits": fits,
                   "source": str(args.check)}, text)
     return 0
 
@@ -859,10 +911,21 @@ def _run_table(args: Any) -> int:
                  progress=lambda text: print(text, file=sys.stderr, flush=True))
     best = winners(rows)
     numel = sum(math.prod(s) for s in tensors.values())
+    compressed = [spec for spec in schemes if spec != "none"]
+    stops = {spec: {g: crossover(tensors, ["none", spec], g, base) for g in gpus}
+             for spec in compressed}
+    header = "| scheme | " + " | ".join(f"{g} GPUs" for g in gpus) + " |"
+    lines = [header, "|---" * (len(gpus) + 1) + "|"]
+    for spec, at in stops.items():
+        lines.append(f"| `{spec}` | " + " | ".join(
+            "pays up to 1e5" if rate is None else "never" if rate == 0 else f"{rate:.0f}"
+            for rate in at.values()) + " |")
     text = "\n".join([f"{numel / 1e9:.2f} B parameters, {base.per_host} GPUs per host",
-                      "", markdown_table(best, TABLE_COLUMNS)])
+                      "", markdown_table(best, TABLE_COLUMNS), "",
+                      "Host link rate (Gbit/s) above which each scheme's fastest "
+                      "configuration loses to the fastest dense one:", "", *lines])
     _write(args, {"rows": rows, "winners": best, "cluster": dataclasses.asdict(base),
-                  "parameters": numel}, text)
+                  "parameters": numel, "compression_stops_paying_gbit": stops}, text)
     return 0
 
 
