@@ -155,3 +155,16 @@ def test_crossover_separates_where_compression_pays_from_where_it_does_not() -> 
 
     assert fastest(rate / 2) == "onebit"
     assert fastest(rate * 2) == "none"
+
+
+def test_server_transfer_is_the_shard_link_carrying_every_push_and_pull() -> None:
+    """Through one shard in ``topk`` mode (a pull the size of a push) the busiest link is
+    the shard's: ``w`` pushes in, then ``w`` pulls out; the push measured on real ranks."""
+    shapes = {"w": (256, 256)}
+    workers = 4
+    stats = measure_step(Compression.parse("topk:ratio=0.01"), Policy(), shapes, workers)
+    push = stats.collective_bytes["sparse"]
+    job = model.Job(shapes, "topk:ratio=0.01", route="ps", server_mode="topk")
+    pred = model.predict_job(job, flat(workers, rate_bits=1e9))
+    assert pred.terms["transfer"] == pytest.approx(2 * workers * push * 8 / 1e9, rel=0.1)
+    assert pred.host_bytes == pytest.approx(push, rel=0.1)  # a worker sends its push

@@ -19,14 +19,17 @@ The model, per step (every term from :mod:`hvd_compress.cost_model`)::
 * ``passes``: the pipeline's own passes over every gradient (one to write the result back,
   two more for error feedback), ``4 n / copy_bytes_per_s`` each, times ``codec_scale``.
 * ``transfer``: bytes on the busiest link over its rate: a host's link carries the ring's
-  or the server's byte count (:func:`host_bytes`); ``(1 + header_share) / rate +
+  or the server's byte count (:func:`host_bytes`); ``8 (1 + header_share) / rate_bits +
   cpu_s_per_byte`` seconds per byte, the second term the hosts' CPU per byte moved through
-  their network stack (fitted for the emulated cluster, 0 by default).
+  their network stack (0 by default; with ``overlap`` it runs while the link sends).
+  All-to-all and all-gather rounds take ``gather_factor`` times as long; a dense sum costs
+  ``reduce_s_per_byte`` more. These three are fitted for the emulated cluster (:func:`fit`,
+  one ``bench cluster`` row each); on a real cluster measure them or leave them at 0/1.
 * ``cycle``: a fixed cost per fused round (Horovod's negotiation cycle: a round's further
   buckets run in the same cycle and add their hops only), ``hops``: see
   :func:`hvd_compress.cost_model.hops`.
 
-Two-level: ranks of a host reduce-scatter dense over the host's link (``intra_bits``), each
+Two-level: ranks of a host reduce-scatter dense over their own link (``intra_bits``), each
 compresses its ``1 / per_host`` slice (rows of a matrix) and exchanges it with its peers on
 the other hosts, sharing the host's link, then the host all-gathers. PowerSGD, whose factors
 of a row slice would cost more than the whole matrix's, runs on one leader per host.
@@ -421,6 +424,8 @@ class Model:
         return LinkModel(c.cycle_s, c.wire_s_per_byte)
 
     def predict(self) -> Prediction:
+        """The step's seconds by term (module docstring), with the routes ``auto`` or the
+        policy chose."""
         job, c = self.job, self.cluster
         costs = self.costs()
         routes = self.routes(costs)
