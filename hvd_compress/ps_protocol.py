@@ -31,6 +31,11 @@ MPI (MPMD ``mpirun``)
     rank among the worker ranks, and the server checks every frame against the rank it
     came from (the MPI library tells the source of each message, which no process can
     choose), so MPI needs no identity binding.
+Quorum rounds (``--quorum``)
+    A push for a round that closed without it is refused with status :data:`LATE_STATUS`
+    (both transports). The aggregate of a round that summed fewer than all workers says
+    how many it missed in its frame's worker field (:func:`quorum_sender`,
+    :func:`missing_of`); a full round's aggregate carries ``SERVER_ID`` as before.
 """
 
 from __future__ import annotations
@@ -68,6 +73,26 @@ MPI_REQUEST_TAG = 7301
 MPI_REPLY_TAG = 7302
 MPI_OPS = ("push", "pull", "bye")
 MPI_OK = "OK"
+LATE_STATUS = "OUT_OF_RANGE"
+"""The status of a push for a round that closed by quorum without it."""
+_MAX_MISSING = 1 << 16
+_SERVER_ID = 0xFFFFFFFF  # hvd_compress.sparse_wire.SERVER_ID
+
+
+def quorum_sender(missing: int) -> int:
+    """The worker field of an aggregate frame of a round that summed all workers but
+    ``missing`` (0: ``SERVER_ID``, as without a quorum): ``SERVER_ID - missing``, far
+    above any worker id."""
+    if not 0 <= missing < _MAX_MISSING:
+        raise ValueError(f"missing workers must be in [0, {_MAX_MISSING}), got {missing}")
+    return _SERVER_ID - missing
+
+
+def missing_of(sender: int) -> int:
+    """The number of workers an aggregate frame with worker field ``sender`` did not sum
+    (the inverse of :func:`quorum_sender`; 0 for any field outside its range)."""
+    missing = _SERVER_ID - sender
+    return missing if 0 <= missing < _MAX_MISSING else 0
 
 
 def token_metadata(token: str | None) -> tuple[tuple[str, str], ...]:

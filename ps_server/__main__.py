@@ -23,7 +23,7 @@ from typing import Any
 from hvd_compress import __version__
 from hvd_compress.ps_protocol import TOKEN_ENV
 from ps_server.service import CHECKPOINT_EVERY, ShardService
-from ps_server.store import MODES, ShardStore
+from ps_server.store import MODES, Quorum, ShardStore
 
 log = logging.getLogger("ps_server")
 
@@ -117,6 +117,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "among server ranks)")
     p.add_argument("--deadline", type=float, default=120.0, metavar="SECONDS",
                    help="a round missing a worker this long after its first request fails")
+    p.add_argument("--quorum", metavar="K", show_default="all workers",
+                   help="close a round once K workers (or a fraction, 0.75) have pushed and "
+                   "--grace has passed; a later push for it is refused as late and its "
+                   "worker sends those pairs in a later round")
+    p.add_argument("--grace", type=float, default=0.0, metavar="SECONDS",
+                   help="with --quorum: how long after its first request a round waits for "
+                   "the workers beyond the quorum")
+    p.add_argument("--late-rounds", type=int, default=64, metavar="ROUNDS",
+                   help="with --quorum: closed rounds kept for late workers' pulls")
     p.add_argument("--mode", choices=MODES, default="union",
                    help="union: exact sum over the union of indices; topk: global top-k "
                    "with a server-side residual")
@@ -163,6 +172,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--workers must be at least 1, got {args.workers}")
     if args.deadline <= 0:
         p.error(f"--deadline must be positive, got {args.deadline}")
+    try:
+        args.quorum = Quorum.parse(args.quorum, args.workers, args.grace, args.late_rounds)
+    except ValueError as err:
+        p.error(str(err))
+    if args.quorum.partial and args.grace >= args.deadline:
+        p.error(f"--grace ({args.grace:g}) must be below --deadline ({args.deadline:g})")
     if args.max_push_mb is not None and args.max_push_mb <= 0:
         p.error(f"--max-push-mb must be positive, got {args.max_push_mb:g}")
     if args.idle_timeout <= args.deadline:
@@ -248,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     store = ShardStore(args.workers, shard, shards, args.mode, args.deadline,
                        args.max_shard_numel, idle_timeout=args.idle_timeout,
                        push_budget=None if args.max_push_mb is None else
-                       int(args.max_push_mb * 2**20))
+                       int(args.max_push_mb * 2**20), quorum=args.quorum)
     service = ShardService(store, args.checkpoint_dir, args.checkpoint_every,
                            args.checkpoint_fsync, hide_names=args.metrics_hide_names)
     try:
@@ -266,7 +281,10 @@ def main(argv: list[str] | None = None) -> int:
         log.info("metrics at http://%s:%d/metrics%s", metrics_host,
                  metrics_server.server_address[1],
                  " (tensor and session names hidden)" if args.metrics_hide_names else "")
-    desc = (f"{args.workers} workers, mode {args.mode}, deadline {args.deadline:g} s, "
+    quorum = args.quorum
+    desc = (f"{args.workers} workers"
+            + (f" (quorum {quorum.size}, grace {quorum.grace:g} s)" if quorum.partial else "")
+            + f", mode {args.mode}, deadline {args.deadline:g} s, "
             f"checkpoints {args.checkpoint_dir or 'off'}")
     if args.transport == "mpi":
         from ps_server import mpi_transport

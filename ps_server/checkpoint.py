@@ -117,6 +117,8 @@ def save(path: Path, snapshot: dict[str, Any], generation: int = 0) -> int:
             arrays[f"residual.{j}"] = t["residual"]
         if last is not None:
             entry["last"] = {"round": last["round"], "error": last["error"]}
+            if last.get("contributors"):  # a round closed by quorum
+                entry["last"]["contributors"] = list(last["contributors"])
             if last["error"] is None:
                 arrays[f"indices.{j}"] = last["indices"]
                 arrays[f"values.{j}"] = last["values"]
@@ -206,7 +208,11 @@ class Journal:
         for c in changes:
             count = 0 if c.indices is None else int(c.indices.size)
             entry = [c.tensor, c.round, c.numel, c.k, c.error, c.dropped, count]
-            entries.append(entry if c.binding is None else [*entry, list(c.binding)])
+            if c.binding is not None:
+                entry.append(list(c.binding))
+            elif c.contributors is not None:  # a round closed by quorum
+                entry += [None, list(c.contributors)]
+            entries.append(entry)
             if count:
                 arrays += [c.indices.astype(np.int64, copy=False),
                            c.values.astype(np.float32, copy=False)]
@@ -270,7 +276,8 @@ def read_journal(path: Path, config: dict[str, Any]) -> tuple[list[Change], int]
                 indices = np.frombuffer(body, np.int64, count, at)
                 values = np.frombuffer(body, np.float32, count, at + 8 * count)
                 at += 12 * count
-            binding = tuple(bound[0]) if bound else None
+            binding = tuple(bound[0]) if bound and bound[0] is not None else None
+            contributors = tuple(bound[1]) if len(bound) > 1 else None
             changes.append(Change(tensor, round, numel, indices, values, k, error, dropped,
-                                  binding))
+                                  binding, contributors))
     return changes, len(data) - offset

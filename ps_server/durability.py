@@ -15,7 +15,10 @@ A new worker binding (:mod:`ps_server.identity`) is queued as a change record ah
 round its worker's pushes close, so a round a worker has seen is never on disk without
 the bindings of those who pushed it. A binding not yet written when the server died
 belonged to rounds nobody saw, and is learned again from the first call after the
-restart. An expired tensor is queued as a ``dropped`` record.
+restart. An expired tensor is queued as a ``dropped`` record. A round that closed by
+quorum without every worker records its contributors, so after a restart a late push for
+it is still refused as late (:class:`~ps_server.errors.LateRound`) rather than taken as
+a retransmission.
 
 A failed write takes nothing away: the writer puts what it took back in the queue
 (:meth:`~ps_server.store.ShardStore.requeue`) and retries; see :mod:`ps_server.service`.
@@ -40,8 +43,9 @@ CONFIG = ("workers", "shard", "shards", "mode")
 class Change:
     """One journal record: round ``round`` of ``tensor`` finished (``indices`` and
     ``values`` are the union indices and float32 sums of its pushes, ``k`` the most pairs
-    a worker pushed), or failed with ``error``; or, with ``dropped``, the tensor expired;
-    or, with ``binding``, a worker of session ``tensor`` was bound or freed."""
+    a worker pushed, ``contributors`` the workers summed when not all were), or failed
+    with ``error``; or, with ``dropped``, the tensor expired; or, with ``binding``, a
+    worker of session ``tensor`` was bound or freed."""
 
     tensor: str
     round: int = 0
@@ -52,6 +56,7 @@ class Change:
     error: str | None = None
     dropped: bool = False
     binding: BindingRecord | None = None
+    contributors: tuple[int, ...] | None = None
 
 
 def snapshot(config: dict[str, Any], tensors: dict[str, TensorState],
@@ -67,7 +72,8 @@ def snapshot(config: dict[str, Any], tensors: dict[str, TensorState],
             "residual": None if s.residual is None else s.residual.copy(),
             "last": None if last is None else {
                 "round": last.round, "error": last.error,
-                "indices": last.indices, "values": last.values},
+                "indices": last.indices, "values": last.values,
+                "contributors": list(last.contributors)},
         }
     return {**config, "tensors": saved, "bindings": bindings.rows()}
 
@@ -87,7 +93,8 @@ def restore(config: dict[str, Any], saved: dict[str, Any], now: float
         tensors[name] = TensorState(
             numel=t["numel"], round=t["round"], residual=t["residual"], touched=now,
             last=None if last is None else Finished(
-                last["round"], last["indices"], last["values"], last["error"]))
+                last["round"], last["indices"], last["values"], last["error"],
+                contributors=tuple(last.get("contributors", ()))))
     return tensors
 
 
@@ -119,7 +126,8 @@ def replay(changes: list[Change], mode: str, tensors: dict[str, TensorState],
         if c.error is not None:
             state.last = Finished(c.round, error=c.error)
         else:
-            state.last = Finished(c.round, *aggregate(mode, state, c.indices, c.values, c.k))
+            state.last = Finished(c.round, *aggregate(mode, state, c.indices, c.values, c.k),
+                                  contributors=c.contributors or ())
         state.round += 1
         state.touched = now
         applied += 1

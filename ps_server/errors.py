@@ -31,6 +31,13 @@ class RoundFailed(RequestError):
     code = "ABORTED"
 
 
+class LateRound(RequestError):
+    """A push for a round that closed without it (``--quorum``): the worker keeps those
+    pairs for a later round (error feedback) and pulls the closed round's aggregate."""
+
+    code = "OUT_OF_RANGE"
+
+
 class UnknownTensor(RequestError):
     """A pull of a tensor nobody pushed to this server."""
 

@@ -273,8 +273,10 @@ async def _start(service: FrameHandler, bind: str, pull_timeout: float, token: s
                 left = give_up - loop.time()
                 if left <= 0:
                     service.timed_out(frame, peer, timeout)
+                grace = service.store.quorum_wait(frame.tensor)  # closes then, unpushed
                 try:
-                    await asyncio.wait_for(event.wait(), left)
+                    await asyncio.wait_for(event.wait(), left if grace is None else
+                                           min(left, grace + 1e-3))
                 except TimeoutError:
                     pass
         except RequestError as err:

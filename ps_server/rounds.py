@@ -12,6 +12,17 @@ pushes (float32, added in worker order, so the result does not depend on arrival
   ``e <- s`` with those entries zeroed (error feedback on the server). A non-finite ``s``
   is returned whole and ``e`` is kept, so workers detect it and skip the step.
 
+With a quorum (:class:`Quorum`, ``--quorum K --grace G``), a round also closes once
+``K <= W`` workers have pushed and ``G`` seconds have passed since it opened; its
+aggregate is the sum of those ``K`` pushes, and the workers who pushed are its
+*contributors* (an aggregate frame says how many workers it misses in its worker field,
+:func:`hvd_compress.ps_protocol.quorum_sender`). A later push for that round is *late*
+(:class:`~ps_server.errors.LateRound`, status ``OUT_OF_RANGE``) and not summed: its
+worker keeps those pairs in its error-feedback residual and sends them in a later round,
+and pulls the closed round's aggregate like everyone else, so every replica applies the
+same sums and no gradient mass is lost. The last ``Quorum.keep`` closed rounds stay
+available to late pulls.
+
 Round ``r + 1`` then opens. The last finished round's aggregate stays available to pulls.
 A retransmitted push (same worker, round and content, told apart by the frame's CRC) is
 a no-op; a second push with *different* content for the same (worker, round) is a
@@ -30,6 +41,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,9 +53,69 @@ from hvd_compress.sparse_wire import Frame, ValueDType
 MODES = ("union", "topk")
 
 
+@dataclass(frozen=True)
+class Quorum:
+    """When a round may close without every worker: once ``size`` of the ``workers`` have
+    pushed and ``grace`` seconds have passed since it opened (its first push or pull).
+    ``keep``: closed rounds whose aggregates stay available to late workers' pulls (a
+    worker that falls further behind gets ``StaleRound``). ``size == workers`` (the
+    default) waits for everyone, as without a quorum.
+
+    Advice: a grace of about one step time lets a worker that is only a little late still
+    contribute; see docs/reliability.md#stragglers for measured step times.
+    """
+
+    workers: int
+    size: int
+    grace: float = 0.0
+    keep: int = 64
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.size <= self.workers:
+            raise ValueError(f"quorum must be between 1 and the {self.workers} workers, "
+                             f"got {self.size}")
+        if self.grace < 0:
+            raise ValueError(f"grace must be >= 0 seconds, got {self.grace:g}")
+        if self.keep < 1:
+            raise ValueError(f"the closed rounds kept for late workers must be >= 1, "
+                             f"got {self.keep}")
+
+    @classmethod
+    def parse(cls, spec: str | float | None, workers: int, grace: float = 0.0,
+              keep: int = 64) -> Quorum:
+        """``spec`` as ``--quorum`` takes it: a count of workers (``"3"``), a fraction of
+        them (``"0.75"``: ``ceil(0.75 W)``), or None for all ``workers``."""
+        if spec is None:
+            return cls(workers, workers, grace, keep)
+        text = str(spec).strip()
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        fraction = "." in text
+        if not (0 < value <= 1 if fraction else value >= 1 and value == int(value)):
+            raise ValueError(f"--quorum must be a number of workers (3) or a fraction of "
+                             f"them in (0, 1] (0.75), got {spec!r}")
+        size = max(1, math.ceil(value * workers - 1e-9)) if fraction else int(value)
+        return cls(workers, size, grace, keep)
+
+    @property
+    def partial(self) -> bool:
+        """Whether a round may close without every worker."""
+        return self.size < self.workers
+
+    def closes(self, pushed: int, opened: float | None, now: float) -> bool:
+        """Whether an open round with ``pushed`` pushes, opened at ``opened``, closes now."""
+        if pushed >= self.workers:
+            return True
+        return pushed >= self.size and opened is not None and now - opened >= self.grace
+
+
 @dataclass
 class Finished:
-    """The outcome of a finished round: pairs, or the error that failed it."""
+    """The outcome of a finished round: pairs, or the error that failed it.
+    ``contributors``: the workers whose pushes it sums (sorted); ``digests``: their
+    pushes' (CRC, peer), to tell a retransmission from a conflict."""
 
     round: int
     indices: np.ndarray | None = None
@@ -51,6 +123,8 @@ class Finished:
     error: str | None = None
     encoded: dict[ValueDType, bytes] = field(default_factory=dict)
     durable: bool = True  # False until the journal holds it; pulls wait until then
+    contributors: tuple[int, ...] = ()
+    digests: dict[int, tuple[int, str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -68,16 +142,24 @@ class TensorState:
     residual: np.ndarray | None = None
     last: Finished | None = None
     touched: float = 0.0
+    history: dict[int, Finished] = field(default_factory=dict)  # closed rounds, by round
+
+    def finished(self, round: int) -> Finished | None:
+        """The finished round ``round`` if it is the last one or still kept; else None."""
+        if self.last is not None and self.last.round == round:
+            return self.last
+        return self.history.get(round)
 
     def nbytes(self) -> int:
         """Bytes of arrays this tensor holds (pushes, residual, last aggregate)."""
         held = sum(f.indices.nbytes + f.values.nbytes for f in self.pushed.values())
         if self.residual is not None:
             held += self.residual.nbytes
-        last = self.last
-        if last is not None and last.indices is not None:
-            held += last.indices.nbytes + last.values.nbytes
-            held += sum(len(b) for b in last.encoded.values())
+        kept = {id(f): f for f in (self.last, *self.history.values()) if f is not None}
+        for f in kept.values():
+            if f.indices is not None:
+                held += f.indices.nbytes + f.values.nbytes
+            held += sum(len(b) for b in f.encoded.values())
         return held
 
 

@@ -44,6 +44,7 @@ from ps_server.metrics import Metrics
 from ps_server.store import (
     Binding,
     JobSizeMismatch,
+    LateRound,
     PullTimeout,
     RequestError,
     ShardStore,
@@ -126,6 +127,9 @@ class ShardService:
         self._expired_seen = 0
         if self.checkpoint is not None:
             store.durable = True
+            # A round a pull closes (by quorum, once its grace has passed) must be written
+            # at once, not at the next push or tick.
+            store.on_queued = self._wake.set
             self._writer = threading.Thread(target=self._write_loop, name="checkpoint",
                                             daemon=True)
 
@@ -470,7 +474,8 @@ class ShardService:
     def _reject(self, method: str, peer: str, err: RequestError) -> NoReturn:
         self.metrics.inc("hvd_ps_requests_total", method=method, outcome=err.code.lower())
         self.metrics.rejected(method, err)
-        level = logging.INFO if isinstance(err, PullTimeout) else logging.WARNING
+        # A timed-out pull is retried, a late push kept for later: neither is a fault.
+        level = logging.INFO if isinstance(err, PullTimeout | LateRound) else logging.WARNING
         log.log(level, "rejected %s from %s: %s", method, peer, err)
         raise err
 

@@ -16,14 +16,15 @@ import zlib
 from collections.abc import Callable
 from typing import Any
 
-from hvd_compress.ps_protocol import session_of
-from hvd_compress.sparse_wire import SERVER_ID, Frame, Kind, encode_frame
+from hvd_compress.ps_protocol import quorum_sender, session_of
+from hvd_compress.sparse_wire import Frame, Kind, encode_frame
 from ps_server import durability
 from ps_server.durability import Change
 from ps_server.errors import (
     ConflictingPush,
     FutureRound,
     JobSizeMismatch,
+    LateRound,
     NotDurable,
     OverBudget,
     PullTimeout,
@@ -37,6 +38,7 @@ from ps_server.identity import Binding, WorkerBindings
 from ps_server.rounds import (
     MODES,
     Finished,
+    Quorum,
     TensorState,
     aggregate,
     new_state,
@@ -45,9 +47,9 @@ from ps_server.rounds import (
 )
 
 __all__ = ["MODES", "Binding", "Change", "ConflictingPush", "Finished", "FutureRound",
-           "JobSizeMismatch", "NotDurable", "OverBudget", "PullTimeout", "RequestError",
-           "RoundFailed", "ShardStore", "StaleRound", "TensorState", "UnknownTensor",
-           "WorkerBound", "release_memory", "sum_pushes"]
+           "JobSizeMismatch", "LateRound", "NotDurable", "OverBudget", "PullTimeout",
+           "Quorum", "RequestError", "RoundFailed", "ShardStore", "StaleRound", "TensorState",
+           "UnknownTensor", "WorkerBound", "release_memory", "sum_pushes"]
 log = logging.getLogger("ps_server")
 
 
@@ -64,12 +66,15 @@ class ShardStore:
     before it is held, unless it is the last of its round (the close frees them all).
     Functions in ``listeners`` are called with a tensor's name (lock held: they must only
     schedule work) whenever a pull of it may now have an answer.
+    ``quorum`` (:class:`~ps_server.rounds.Quorum`, None for all workers) lets a round close
+    without every worker; ``partial_rounds`` and ``late_pushes`` count what it did.
     """
 
     def __init__(self, workers: int, shard: int, shards: int, mode: str = "union",
                  deadline: float = 120.0, max_numel: int = 1 << 28,
                  clock: Callable[[], float] = time.monotonic, durable: bool = False,
-                 idle_timeout: float | None = None, push_budget: int | None = None) -> None:
+                 idle_timeout: float | None = None, push_budget: int | None = None,
+                 quorum: Quorum | None = None) -> None:
         if workers < 1:
             raise ValueError(f"workers must be at least 1, got {workers}")
         if not 0 <= shard < shards:
@@ -85,6 +90,15 @@ class ShardStore:
         self.mode, self.deadline, self.max_numel = mode, deadline, max_numel
         self.clock, self.durable, self.idle_timeout = clock, durable, idle_timeout
         self.push_budget = push_budget
+        self.quorum = Quorum(workers, workers) if quorum is None else quorum
+        if self.quorum.workers != workers:
+            raise ValueError(f"the quorum is of {self.quorum.workers} workers, the server "
+                             f"has {workers}")
+        if self.quorum.partial and self.quorum.grace >= deadline:
+            raise ValueError(f"grace ({self.quorum.grace:g} s) must be below the round "
+                             f"deadline ({deadline:g} s)")
+        self.partial_rounds = 0  # closed without every worker
+        self.late_pushes = 0  # refused because their round had closed without them
         self.pending_bytes = 0  # decoded pairs held by the pushes of open rounds
         self.tensors: dict[str, TensorState] = {}
         self.identity = WorkerBindings(workers, shard, shards, idle_timeout)
@@ -95,6 +109,8 @@ class ShardStore:
         self.changes: list[Change] = []  # for the journal, when durable
         self._undurable: list[tuple[str, Finished]] = []
         self.listeners: list[Callable[[str], None]] = []
+        # Called (lock held) when a finished round is queued for the journal.
+        self.on_queued: Callable[[], None] | None = None
         self.durable_version = 0  # counts mark_durable calls, for polling transports
         self.unavailable: str | None = None  # why rounds cannot be made durable now
         self._unavailable_since = 0.0
@@ -134,18 +150,29 @@ class ShardStore:
                     self._check_budget(frame)
                 self._add(state, frame)
                 state.digests[w] = (digest, peer)
-                if len(state.pushed) == self.workers:
+                if self.quorum.closes(len(state.pushed), state.opened, self.clock()):
                     self._close(frame.tensor, state)
                 return True
-            if state.last is not None and r == state.last.round:
-                if state.last.error is not None:
-                    raise RoundFailed(state.last.error)
-                first = state.last_digests.get(w)
+            finished = state.finished(r) if r < state.round else None
+            if finished is not None:
+                if finished.error is not None:
+                    raise RoundFailed(finished.error)
+                first = finished.digests.get(w)
                 if first is not None:
                     self._check_same(frame.tensor, state, r, w, digest, peer, first,
                                      open_round=False)
-                return False  # every worker pushed round r before it closed
+                elif finished.contributors and w not in finished.contributors:
+                    self.late_pushes += 1
+                    raise self._late(frame, finished)
+                return False  # worker w pushed round r before it closed
             raise self._out_of_order(frame, state, "push")
+
+    def _late(self, frame: Frame, finished: Finished) -> LateRound:
+        count = len(finished.contributors)
+        return LateRound(f"push for {frame.where()} is late: the round closed with "
+                         f"{count} of {self.workers} workers (--quorum {self.quorum.size}, "
+                         f"--grace {self.quorum.grace:g} s) and does not hold it; keep "
+                         "these pairs for a later round and pull this round's aggregate")
 
     def _check_same(self, tensor: str, state: TensorState, r: int, w: int, digest: int,
                     peer: str, first: tuple[int, str], open_round: bool) -> None:
@@ -212,7 +239,21 @@ class ShardStore:
                     raise PullTimeout(f"{frame.where()}: round still open after {timeout:g} s "
                                       "(waiting for other workers' pushes)")
                 opened = self.tensors[frame.tensor].opened or now
-                self._cond.wait(max(min(give_up, opened + self.deadline) - now, 0.0) + 1e-3)
+                until = min(give_up, opened + self.deadline)
+                if self.quorum.partial:  # it may close by quorum when the grace has passed
+                    until = min(until, max(opened + self.quorum.grace, now + 1e-3))
+                self._cond.wait(max(until - now, 0.0) + 1e-3)
+
+    def quorum_wait(self, tensor: str) -> float | None:
+        """Seconds until ``tensor``'s open round may close by quorum without another push
+        (its grace ends), for transports whose pulls wait on events: after that, asking
+        again (:meth:`try_pull`) closes it. None when no such time is pending."""
+        with self._cond:
+            state = self.tensors.get(tensor)
+            if not self.quorum.partial or state is None or state.opened is None:
+                return None
+            left = state.opened + self.quorum.grace - self.clock()
+            return left if left > 0 else None
 
     def expire(self) -> None:
         """Fail every open round whose deadline has passed; drop idle tensors."""
@@ -363,19 +404,28 @@ class ShardStore:
             state.opened = self.clock()
 
     def _close(self, tensor: str, state: TensorState) -> None:
-        pushes = [state.pushed[w] for w in sorted(state.pushed)]
+        contributors = tuple(sorted(state.pushed))
+        pushes = [state.pushed[w] for w in contributors]
         indices, values = sum_pushes(pushes, state.numel)
         k = max(f.count for f in pushes)
         state.last = Finished(state.round, *aggregate(self.mode, state, indices, values, k),
-                              durable=not self.durable)
+                              durable=not self.durable, contributors=contributors,
+                              digests=state.digests)
+        partial = len(contributors) < self.workers
         if self.durable:
-            self.changes.append(Change(tensor, state.round, state.numel, indices, values, k))
+            self.changes.append(Change(tensor, state.round, state.numel, indices, values, k,
+                                       contributors=contributors if partial else None))
             self._undurable.append((tensor, state.last))
+        if self.quorum.partial:  # kept for the pulls of late workers
+            state.history[state.round] = state.last
+            state.history.pop(state.round - self.quorum.keep, None)
         self.closed_rounds += 1
+        self.partial_rounds += partial
         self._finish(tensor, state, None)
 
     def _fail(self, tensor: str, state: TensorState, error: str) -> None:
-        state.last = Finished(state.round, error=error, durable=not self.durable)
+        state.last = Finished(state.round, error=error, durable=not self.durable,
+                              digests=state.digests)
         if self.durable:
             self.changes.append(Change(tensor, state.round, state.numel, error=error))
             self._undurable.append((tensor, state.last))
@@ -436,6 +486,10 @@ class ShardStore:
         if self.unavailable is not None:  # pushes are refused: no one can be late
             return
         for tensor, state in self.tensors.items():
+            if self.quorum.partial and state.pushed and \
+                    self.quorum.closes(len(state.pushed), state.opened, now):
+                self._close(tensor, state)
+                continue
             if state.opened is None or now - state.opened < self.deadline:
                 continue
             missing = sorted(set(range(self.workers)) - set(state.pushed))
@@ -458,6 +512,8 @@ class ShardStore:
         state.opened = None
         if not self.durable:  # else pulls can answer only after mark_durable, which wakes
             self._notify(tensor)
+        elif self.on_queued is not None:
+            self.on_queued()
 
     def _release(self, state: TensorState) -> None:
         """Drop the pushes of ``state``'s open round from the budget."""
@@ -478,16 +534,18 @@ class ShardStore:
                                 "server (was the server restarted without a checkpoint?)")
         self._check_numel(state, frame)
         state.touched = self.clock()
-        last = state.last
-        if last is not None and frame.round == last.round:
+        last = state.finished(frame.round)
+        if last is not None:
             if not last.durable:
                 return None  # written to the journal first, then answered
             if last.error is not None:
                 raise RoundFailed(last.error)
             encoded = last.encoded.get(frame.dtype)
             if encoded is None:
+                sender = quorum_sender(self.workers - len(last.contributors)
+                                       if last.contributors else 0)
                 encoded = encode_frame(Kind.AGGREGATE, frame.tensor, self.shard, self.shards,
-                                       last.round, SERVER_ID, state.numel, last.indices,
+                                       last.round, sender, state.numel, last.indices,
                                        last.values, frame.dtype)
                 last.encoded[frame.dtype] = encoded
             return encoded
@@ -500,8 +558,12 @@ class ShardStore:
     def _out_of_order(self, frame: Frame, state: TensorState, what: str) -> RequestError:
         where = f"{what} for {frame.where()}"
         if frame.round < state.round:
+            kept = (f"; it keeps the aggregates of the last {self.quorum.keep} closed rounds "
+                    "for late workers: this worker fell further behind"
+                    if self.quorum.partial else "")
             return StaleRound(f"{where} is stale: the server is at round {state.round} "
-                              f"(last finished {state.last.round if state.last else 'none'})")
+                              f"(last finished {state.last.round if state.last else 'none'})"
+                              + kept)
         waiting = sorted(set(range(self.workers)) - set(state.pushed))
         return FutureRound(f"{where} is ahead of the server, which is at round {state.round} "
                            f"(waiting for pushes from workers {waiting}); finish round "

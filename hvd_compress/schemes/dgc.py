@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from hvd_compress.comm.ops import SparseSum, nbytes
+from hvd_compress.comm.ps_transport.base import counted_pairs
 from hvd_compress.schemes.base import (
     Exchange,
     ExchangeContext,
@@ -109,14 +110,15 @@ class DGC(Scheme):
         k = sparse_count(self.density(ctx.step), v.numel())
         indices = self.select(v, k, ctx)
         request = SparseSum("sparse", v.numel(), indices, v[indices].to(self._dtype))
-        total = yield request
+        # Pairs a server quorum refused as late count as not sent (counted_pairs).
+        total, indices, values = counted_pairs((yield request), indices, request.values)
         # What was not sent stays in v: nothing of the selected entries with fp32 values,
         # their rounding error with fp16.
-        v = v.index_copy(0, indices, v[indices] - request.values.float())
+        v = v.index_copy(0, indices, v[indices] - values.float())
         u = u.index_fill(0, indices, 0.0)
         # The pairs sent, for the step's density; the pipeline's memory ignores them (no
         # error_feedback: the residual is v).
-        sent = Scattered(indices, request.values, x.shape)
+        sent = Scattered(indices, values, x.shape)
         return Outcome(total.view_as(x), sent, nbytes(request), {MOMENTUM: u, VELOCITY: v})
 
     def own_residual(self, state: Mapping[str, torch.Tensor]) -> torch.Tensor | None:

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from hvd_compress.comm.ops import SparseSum, nbytes
+from hvd_compress.comm.ps_transport.base import counted_pairs
 from hvd_compress.schemes.base import Exchange, ExchangeContext, Outcome, Scattered, Scheme
 
 
@@ -103,8 +104,9 @@ class TopK(Scheme):
         k = sparse_count(self.ratio, flat.numel())
         indices = largest(flat.abs(), k, ctx.generator("topk-sample", torch.device("cpu")))
         request = SparseSum("sparse", flat.numel(), indices, flat[indices].to(self._dtype))
-        total = yield request
-        sent = Scattered(indices, request.values, x.shape)
+        # Pairs a server quorum refused as late stay in the residual (counted_pairs).
+        total, indices, values = counted_pairs((yield request), indices, request.values)
+        sent = Scattered(indices, values, x.shape)
         return Outcome(total.view_as(x), sent, nbytes(request))
 
     def options(self) -> dict[str, Any]:

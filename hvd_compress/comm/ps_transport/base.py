@@ -8,7 +8,13 @@ shard ``s`` owns flat indices ``[b_s, b_{s+1})``, ``b_s = floor(s * numel / S)``
 sends each shard its pairs (indices made local, ``i - b_s``; an empty push still counts),
 then pulls each shard's aggregate for the same round and returns the pairs of the whole
 tensor. See :mod:`hvd_compress.sparse_wire` for the frames and :mod:`ps_server.store` for
-the round semantics. A transport only moves the frames (:meth:`ShardedClient._send_pushes`
+the round semantics.
+
+With a server quorum (``--quorum``), a round may close without this worker: its push is
+then refused as late (status :data:`LATE`) and :meth:`ShardedClient.finish` still pulls
+the closed round's aggregate; the round's :class:`PendingRound` says which shards refused
+the push (``late``) and how many workers each shard's aggregate misses (``missing``).
+A transport only moves the frames (:meth:`ShardedClient._send_pushes`
 and :meth:`ShardedClient._pull`); how to add one is in docs/contributing.md.
 """
 
@@ -23,8 +29,12 @@ import numpy as np
 import torch
 
 from hvd_compress.comm.ops import sorted_pairs, wire_dtype
-from hvd_compress.ps_protocol import TOKEN_ENV
+from hvd_compress.ps_protocol import LATE_STATUS, TOKEN_ENV, missing_of
 from hvd_compress.sparse_wire import Kind, ValueDType, decode_frame, encode_frame
+
+LATE = LATE_STATUS
+"""The status of a push for a round that closed without it (the server's ``LateRound``):
+not an error for the client, which keeps those pairs for a later round."""
 
 _HINTS = {
     "ABORTED": "the round failed on the server, so no worker applied it; every worker of "
@@ -37,6 +47,7 @@ _HINTS = {
     "UNAUTHENTICATED": f"pass the server's token (token= or ${TOKEN_ENV})",
     "RESOURCE_EXHAUSTED": "the message exceeds the server's --max-message-mb or the "
                           "client's max_message_bytes",
+    LATE: "the round closed by the server's --quorum without this worker",
 }
 
 
@@ -97,7 +108,11 @@ def shard_bounds(numel: int, shards: int) -> list[int]:
 @dataclass
 class PendingRound:
     """One tensor's round between :meth:`ShardedClient.start` (pushes sent) and
-    :meth:`ShardedClient.finish`."""
+    :meth:`ShardedClient.finish`.
+
+    ``late[s]``: the server's message when shard ``s`` refused the push as late (its pairs
+    are in no aggregate), else None. ``missing[s]``: after :meth:`~ShardedClient.finish`,
+    how many workers shard ``s``'s aggregate does not sum (0 for none)."""
 
     tensor: str
     round: int
@@ -106,6 +121,52 @@ class PendingRound:
     pulls: list[bytes]
     pushed: list[Future[Any]] = field(default_factory=list)
     pulled: list[Future[bytes]] = field(default_factory=list)
+    late: list[str | None] = field(default_factory=list)
+    missing: list[int] = field(default_factory=list)
+
+    def refused(self, indices: torch.Tensor) -> torch.Tensor | None:
+        """A mask of ``indices`` (flat, on any device) that fall in shards which refused
+        the push as late; None when none did."""
+        mask = None
+        for s, detail in enumerate(self.late):
+            if detail is not None:
+                inside = (indices >= self.bounds[s]) & (indices < self.bounds[s + 1])
+                mask = inside if mask is None else mask | inside
+        return mask
+
+
+@dataclass(frozen=True)
+class PartialSum:
+    """A :class:`~hvd_compress.comm.ops.SparseSum`'s result when a server quorum closed
+    the round without every worker, or without this one.
+
+    ``total``: the flat float32 sum, as every worker of the round gets it (with
+    ``ParameterServerCommunicator(scale_partial=True)``, shard ``s``'s slice multiplied by
+    ``W / contributors[s]``, so averaging over ``W`` gives the mean over the workers that
+    contributed). ``refused``: a mask over this rank's pairs (in the order of the request)
+    that no aggregate holds (its push was late), None when every pair was summed;
+    ``contributors``: the workers summed, per shard. A scheme passes it through
+    :func:`counted_pairs` and keeps the refused pairs in its residual.
+    """
+
+    total: torch.Tensor
+    refused: torch.Tensor | None
+    contributors: tuple[int, ...]
+
+
+def counted_pairs(result: torch.Tensor | PartialSum, indices: torch.Tensor,
+                  values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(total, indices, values)``: a sparse sum's dense result and the pairs of this
+    rank that it holds, from the ``result`` a communicator returned for the request of
+    ``indices`` and ``values``. Every pair unless ``result`` is a :class:`PartialSum`
+    with refused pairs: error feedback subtracts only the counted pairs, so the refused
+    ones stay in the residual whole and travel in a later round (no mass is lost)."""
+    if not isinstance(result, PartialSum):
+        return result, indices, values
+    if result.refused is None:
+        return result.total, indices, values
+    keep = ~result.refused
+    return result.total, indices[keep], values[keep]
 
 
 class ShardedClient(ABC):
@@ -154,7 +215,7 @@ class ShardedClient(ABC):
         shards = len(self.addresses)
         bounds = shard_bounds(numel, shards)
         cuts = np.searchsorted(idx, bounds)
-        pending = PendingRound(tensor_id, round, bounds, [], [])
+        pending = PendingRound(tensor_id, round, bounds, [], [], late=[None] * shards)
         for s in range(shards):
             lo, hi = cuts[s], cuts[s + 1]
             size = bounds[s + 1] - bounds[s]
@@ -184,6 +245,7 @@ class ShardedClient(ABC):
                                   f"aggregate frame is for {got}, expected {want}")
             all_idx.append(frame.indices + bounds[s])
             all_val.append(frame.values.astype(np.float32))
+            pending.missing.append(missing_of(frame.worker))
         return (torch.from_numpy(np.concatenate(all_idx)),
                 torch.from_numpy(np.concatenate(all_val)))
 

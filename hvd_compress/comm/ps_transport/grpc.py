@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from hvd_compress.comm.ps_transport.base import (
+    LATE,
     PendingRound,
     ShardedClient,
     SpecError,
@@ -292,7 +293,7 @@ class PSClient(ShardedClient):
         metadata = self.metadata(tensor)
         while True:
             try:
-                push()
+                self._push_or_late(push, pending, shard)
                 reply = self._pulls[shard](pending.pulls[shard], timeout=self.timeout,
                                            metadata=metadata)
                 self._reached[shard] = True
@@ -336,6 +337,16 @@ class PSClient(ShardedClient):
                 elif code.name in RETRYABLE:
                     detail = f"still failing after {waited:.1f} s of retries: {detail}"
                 raise self._error(tensor, round, shard, code.name, detail) from None
+
+    def _push_or_late(self, push: Any, pending: PendingRound, shard: int) -> None:
+        """Run ``push`` (wait for, or send, the shard's push); a refusal as late
+        (:data:`~hvd_compress.comm.ps_transport.base.LATE`) is kept in ``pending.late``."""
+        try:
+            push()
+        except self._grpc.RpcError as err:
+            if err.code().name != LATE:
+                raise
+            pending.late[shard] = err.details() or LATE
 
     def health(self, timeout: float = 5.0) -> list[str]:
         """Each server's health status name (``SERVING``...), by the standard service."""

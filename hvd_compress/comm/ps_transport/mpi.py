@@ -14,6 +14,7 @@ import atexit
 from typing import Any
 
 from hvd_compress.comm.ps_transport.base import (
+    LATE,
     PendingRound,
     ShardedClient,
     SpecError,
@@ -43,15 +44,19 @@ class MPIPSClient(ShardedClient):
         self.addresses = [f"mpi rank {r}" for r in self.servers]
 
     def _send_pushes(self, pending: PendingRound) -> None:
-        self.exchange(pending.tensor, pending.round, "push", pending.pushes)
+        self.exchange(pending.tensor, pending.round, "push", pending.pushes, pending.late)
 
     def _pull(self, pending: PendingRound) -> list[bytes]:
         return self.exchange(pending.tensor, pending.round, "pull", pending.pulls)
 
-    def exchange(self, tensor: str, round: int, op: str, frames: list[bytes]) -> list[bytes]:
+    def exchange(self, tensor: str, round: int, op: str, frames: list[bytes],
+                 late: list[str | None] | None = None) -> list[bytes]:
         """Send ``op`` (``"push"`` or ``"pull"``) with one encoded frame per shard to every
         server at once; return the replies' payloads in shard order, or raise
-        :class:`PSError` naming ``tensor`` and ``round`` for the first shard that refused."""
+        :class:`PSError` naming ``tensor`` and ``round`` for the first shard that refused.
+        With ``late`` (one entry per shard), a shard's refusal as late
+        (:data:`~hvd_compress.comm.ps_transport.base.LATE`) is not raised: its message
+        goes to ``late[shard]``."""
         sends = [self.world.isend((op, frame), dest=rank, tag=MPI_REQUEST_TAG)
                  for rank, frame in zip(self.servers, frames)]
         replies = []
@@ -61,7 +66,9 @@ class MPIPSClient(ShardedClient):
         for request in sends:
             request.wait()
         for shard, (code, payload) in enumerate(replies):
-            if code != "OK":
+            if code == LATE and late is not None:
+                late[shard] = payload
+            elif code != "OK":
                 raise self._error(tensor, round, shard, code, payload)
         return [payload for _, payload in replies]
 

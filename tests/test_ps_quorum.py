@@ -1,0 +1,262 @@
+"""Rounds that close by quorum without the slowest worker and lose nothing (issue 26,
+"Partial aggregation"), in process: the store's rounds, the journal, the client's view of
+a late push, and top-k workers over a real gRPC server in threads, where the sum of every
+aggregate plus every residual equals the sum of all gradients exactly."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from hvd_compress.comm.ps_transport.base import (
+    LATE,
+    PartialSum,
+    PendingRound,
+    counted_pairs,
+)
+from hvd_compress.ps_protocol import missing_of
+from hvd_compress.sparse_wire import SERVER_ID, Kind, decode_frame, encode_frame
+from ps_server import checkpoint, grpc_transport
+from ps_server.__main__ import parse_args
+from ps_server.errors import LateRound
+from ps_server.service import ShardService
+from ps_server.store import (
+    ConflictingPush,
+    Quorum,
+    ShardStore,
+    StaleRound,
+)
+from tests.workers import quorum as worker
+
+NUMEL = 1000
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def push(worker: int, round: int, idx, val, tensor: str = "w") -> bytes:
+    return encode_frame(Kind.PUSH, tensor, 0, 1, round, worker, NUMEL,
+                        np.asarray(idx, np.int64), np.asarray(val, np.float32))
+
+
+def pull(round: int, worker: int = 0, tensor: str = "w") -> bytes:
+    return encode_frame(Kind.PULL, tensor, 0, 1, round, worker, NUMEL)
+
+
+def make(workers: int = 3, size: int = 2, grace: float = 1.0, keep: int = 64,
+         **kw) -> tuple[ShardService, Clock]:
+    clock = Clock()
+    store = ShardStore(workers, 0, 1, deadline=10.0, clock=clock,
+                       quorum=Quorum(workers, size, grace, keep))
+    return ShardService(store, **kw), clock
+
+
+def pairs_of(data: bytes) -> tuple[list[int], list[float], int]:
+    """An aggregate frame's indices, values and worker field."""
+    frame = decode_frame(data)
+    return frame.indices.tolist(), frame.values.tolist(), frame.worker
+
+
+@pytest.mark.parametrize(("spec", "workers", "size"), [
+    (None, 4, 4), ("3", 4, 3), ("0.75", 4, 3), ("0.5", 3, 2), ("1.0", 5, 5), ("1", 5, 1)])
+def test_quorum_is_a_count_or_a_fraction_of_the_workers(spec, workers, size):
+    quorum = Quorum.parse(spec, workers, 0.5)
+    assert (quorum.size, quorum.partial) == (size, size < workers)
+
+
+@pytest.mark.parametrize("spec", ["0", "5", "1.5", "-1", "2.5", "half"])
+def test_a_bad_quorum_is_refused_by_name(spec):
+    with pytest.raises(ValueError, match="quorum"):
+        Quorum.parse(spec, 4)
+
+
+def test_the_command_line_takes_a_quorum_and_a_grace_below_the_deadline(capsys):
+    args = parse_args(["--workers", "4", "--quorum", "0.75", "--grace", "0.2"])
+    assert (args.quorum.size, args.quorum.grace) == (3, 0.2)
+    assert not parse_args(["--workers", "4"]).quorum.partial
+    with pytest.raises(SystemExit):
+        parse_args(["--workers", "4", "--quorum", "3", "--grace", "200", "--deadline", "5"])
+    assert "--grace (200) must be below --deadline (5)" in capsys.readouterr().err
+
+
+def test_a_round_closes_with_the_quorum_once_the_grace_has_passed():
+    service, clock = make(workers=3, size=2, grace=1.0)
+    service.push(push(0, 0, [1, 2], [1.0, 2.0]), "a")
+    service.push(push(1, 0, [2, 3], [10.0, 20.0]), "b")
+    assert service.store.try_pull(decode_frame(pull(0))) is None  # within the grace
+    clock.now = 1.0
+    indices, values, sender = pairs_of(service.store.try_pull(decode_frame(pull(0))))
+    assert (indices, values, missing_of(sender)) == ([1, 2, 3], [1.0, 12.0, 20.0], 1)
+    assert service.store.tensors["w"].last.contributors == (0, 1)
+    assert service.store.partial_rounds == 1
+
+
+def test_a_round_that_every_worker_pushed_closes_at_once_and_says_so():
+    service, _ = make(workers=3, size=2, grace=5.0)
+    for w in range(3):
+        service.push(push(w, 0, [w], [1.0]), "p")
+    indices, values, sender = pairs_of(service.pull(pull(0), "p", 0.1))
+    assert (indices, values, sender) == ([0, 1, 2], [1.0, 1.0, 1.0], SERVER_ID)
+    assert service.store.partial_rounds == 0
+
+
+def test_a_round_below_the_quorum_waits_for_it_after_the_grace():
+    service, clock = make(workers=3, size=2, grace=1.0)
+    service.push(push(0, 0, [1], [1.0]), "a")
+    clock.now = 5.0
+    service.store.expire()
+    assert service.store.try_pull(decode_frame(pull(0))) is None
+    service.push(push(2, 0, [1], [2.0]), "c")  # the quorum, after the grace: closes now
+    assert pairs_of(service.store.try_pull(decode_frame(pull(0))))[:2] == ([1], [3.0])
+
+
+def test_a_late_push_is_refused_with_its_own_status_and_the_late_worker_pulls_the_round():
+    service, _ = make(workers=3, size=2, grace=0.0)
+    service.push(push(0, 0, [1], [1.0]), "a")
+    service.push(push(1, 0, [1], [2.0]), "b")  # quorum, grace 0: closed
+    answer = service.pull(pull(0, worker=0), "a", 0.1)
+    with pytest.raises(LateRound, match=r"late: the round closed with 2 of 3 workers") as err:
+        service.push(push(2, 0, [1], [4.0]), "c")
+    assert err.value.code == LATE == "OUT_OF_RANGE"
+    assert service.store.late_pushes == 1
+    assert service.pull(pull(0, worker=2), "c", 0.1) == answer  # the same bytes
+    assert service.push(push(0, 0, [1], [1.0]), "a")  # a retransmission changes nothing
+    with pytest.raises(ConflictingPush):
+        service.push(push(1, 0, [1], [9.0]), "b")
+    # The late worker goes on with the open round, which waits for the quorum again.
+    service.push(push(2, 1, [5], [4.0]), "c")
+    assert service.store.try_pull(decode_frame(pull(1))) is None
+
+
+def test_late_workers_pull_every_kept_round_and_older_ones_are_stale():
+    service, _ = make(workers=3, size=2, grace=0.0, keep=3)
+    answers = []
+    for r in range(5):
+        service.push(push(0, r, [r], [1.0]), "a")
+        service.push(push(1, r, [r], [2.0]), "b")
+        answers.append(service.pull(pull(r), "a", 0.1))
+    for r in (2, 3, 4):
+        assert service.pull(pull(r, worker=2), "c", 0.1) == answers[r]
+    with pytest.raises(StaleRound, match="last 3 closed rounds"):
+        service.pull(pull(1, worker=2), "c", 0.1)
+
+
+def test_without_a_quorum_nothing_changes():
+    clock = Clock()
+    store = ShardStore(3, 0, 1, deadline=10.0, clock=clock)
+    service = ShardService(store)
+    service.push(push(0, 0, [1], [1.0]), "a")
+    service.push(push(1, 0, [1], [1.0]), "b")
+    clock.now = 9.0
+    store.expire()
+    assert store.try_pull(decode_frame(pull(0))) is None  # waits for everyone
+    service.push(push(2, 0, [1], [1.0]), "c")
+    assert pairs_of(service.pull(pull(0), "a", 0.1)) == ([1], [3.0], SERVER_ID)
+    assert store.tensors["w"].history == {}
+
+
+def test_contributors_survive_the_journal_and_a_late_push_stays_late(tmp_path):
+    service, clock = make(workers=3, size=2, grace=1.0, checkpoint_dir=str(tmp_path),
+                          checkpoint_every=100)
+    service.restore()
+    for w in range(3):
+        service.push(push(w, 0, [2], [1.0]), "x")  # a full round: no contributors recorded
+    service.pull(pull(0), "a", 5.0)
+    service.push(push(0, 1, [1], [1.0]), "a")
+    service.push(push(2, 1, [1], [2.0]), "c")
+    clock.now = 2.0
+    answer = service.pull(pull(1), "a", 5.0)  # answered: so it is in the journal
+    journal = checkpoint.journal_path(checkpoint.path_for(tmp_path, 0, 1), service.generation)
+    changes, _ = checkpoint.read_journal(journal, service.store._config())
+    assert [(c.round, c.contributors) for c in changes if c.binding is None] == \
+        [(0, None), (1, (0, 2))]
+    service.close()
+    restored, _ = make(workers=3, size=2, grace=0.0, checkpoint_dir=str(tmp_path))
+    restored.restore()
+    assert restored.store.rounds() == {"w": 2}
+    with pytest.raises(LateRound):
+        restored.push(push(1, 1, [1], [5.0]), "b")
+    assert restored.pull(pull(1, worker=1), "b", 5.0) == answer
+
+
+def test_the_snapshot_keeps_the_last_rounds_contributors(tmp_path):
+    service, _ = make(workers=3, size=2, grace=0.0, checkpoint_dir=str(tmp_path),
+                      checkpoint_every=1)
+    service.restore()
+    service.push(push(0, 0, [1], [1.0]), "a")
+    service.push(push(1, 0, [1], [2.0]), "b")
+    answer = service.pull(pull(0), "a", 5.0)
+    service.close()
+    restored, _ = make(workers=3, size=2, grace=0.0, checkpoint_dir=str(tmp_path))
+    restored.restore()
+    assert restored.store.tensors["w"].last.contributors == (0, 1)
+    with pytest.raises(LateRound):
+        restored.push(push(2, 0, [1], [5.0]), "c")
+    assert restored.pull(pull(0, worker=2), "c", 5.0) == answer
+
+
+def test_refused_pairs_are_those_of_the_late_shards_and_stay_out_of_what_was_sent():
+    pending = PendingRound("t", 0, [0, 10, 20, 30], [], [], late=[None, "late", None])
+    indices = torch.tensor([25, 3, 12, 19, 0])
+    assert pending.refused(indices).tolist() == [False, False, True, True, False]
+    values = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
+    total = torch.zeros(30)
+    result = PartialSum(total, pending.refused(indices), (3, 2, 3))
+    got_total, kept_idx, kept_val = counted_pairs(result, indices, values)
+    assert got_total is total
+    assert kept_idx.tolist() == [25, 3, 0] and kept_val.tolist() == [1.0, 2.0, 5.0]
+    assert counted_pairs(total, indices, values)[1] is indices
+    assert PendingRound("t", 0, [0, 5], [], [], late=[None]).refused(indices) is None
+
+
+@pytest.fixture
+def quorum_server():
+    """A gRPC server in process for 3 workers, quorum 2, grace 0.15 s."""
+    store = ShardStore(3, 0, 1, deadline=30.0, quorum=Quorum(3, 2, 0.15))
+    service = ShardService(store)
+    server, port = grpc_transport.serve(service, "127.0.0.1:0", 30.0)
+    yield store, f"127.0.0.1:{port}"
+    server.stop(0)
+    service.close()
+
+
+def test_topk_workers_with_a_straggler_lose_no_gradient_mass(quorum_server):
+    """Every step computes for 0.05 s; worker 2 stalls for 1 s at step 3 while the others
+    go on: rounds close without it, its pushes for them are refused as late and kept in
+    its residual, and it catches up (the closed rounds it pulls are ready, while the
+    others wait out the grace each round). Every worker applies the same aggregates, and
+    the sum of all gradients equals the sum of the aggregates applied plus every worker's
+    residual, exactly."""
+    store, address = quorum_server
+    steps, results = 24, {}
+
+    def stall(rank: int, step: int) -> None:
+        time.sleep(1.0 if rank == 2 and step == 3 else 0.05)
+
+    def work(rank: int) -> None:
+        results[rank] = worker.run(address, rank, 3, steps, lambda s: stall(rank, s))
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert sorted(results) == [0, 1, 2]
+    assert store.partial_rounds >= 2 and store.late_pushes >= 2
+    late = results[2]["rounds"]
+    assert sum(refused for _, refused in late) > 0  # its pairs were kept, not lost
+    assert late[-1] == (3, 0)  # it caught up and contributed again
+    for rank in (1, 2):
+        assert results[rank]["aggregates"] == results[0]["aggregates"]  # replicas agree
+    grads = sum(r["grads"] for r in results.values())
+    kept = sum(r["residual"] for r in results.values())
+    np.testing.assert_array_equal(results[0]["applied"] + kept, grads)

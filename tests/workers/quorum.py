@@ -1,0 +1,110 @@
+"""One worker of tests/test_ps_quorum*.py: top-k through a parameter server with a quorum.
+
+Gradients are integer-valued, so every sum, aggregate and residual is exact in float32
+and the conservation law ``sum of gradients == sum of aggregates + residual`` (summed
+over workers) can be checked with ``==``. Run as a script
+(``python -m tests.workers.quorum ADDRESS RANK SIZE STEPS OUT``) or call :func:`run`.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from hvd_compress.comm.parameter_server import ParameterServerCommunicator
+from hvd_compress.comm.ps_client import PSClient
+from hvd_compress.comm.ps_transport.base import PartialSum
+from hvd_compress.pipeline import Pipeline
+from hvd_compress.schemes.topk import TopK
+
+SHAPE = (64, 64)
+RATIO = 0.05
+
+
+class NoDense:
+    """The dense side of the communicator: this test sends every tensor to the server."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+
+    def start(self, name: str, op: Any) -> Any:
+        raise AssertionError(f"{name}: only sparse sums are expected")
+
+    def wait(self, handle: Any) -> Any:
+        raise AssertionError("only sparse sums are expected")
+
+
+class Recording(ParameterServerCommunicator):
+    """Keeps, per round, the contributors and the pairs this worker had refused."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.rounds: list[tuple[int, int]] = []  # (contributors, refused pairs)
+
+    def wait(self, handle: Any) -> Any:
+        result = super().wait(handle)
+        if isinstance(result, PartialSum):
+            refused = 0 if result.refused is None else int(result.refused.sum())
+            self.rounds.append((min(result.contributors), refused))
+        else:
+            self.rounds.append((self.size, 0))
+        return result
+
+
+def gradient(rank: int, step: int) -> torch.Tensor:
+    """Worker ``rank``'s gradient at ``step``: integers in [-50, 50]."""
+    gen = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randint(-50, 51, SHAPE, generator=gen).float()
+
+
+def run(address: str, rank: int, size: int, steps: int,
+        before_step: Callable[[int], None] = lambda step: None) -> dict[str, Any]:
+    """Train-free steps: each pushes ``gradient(rank, step)`` through top-k and the server
+    at ``address`` (raw sums: no average, no scaling). Returns the sum of gradients, of
+    aggregates, the residual, every aggregate's bytes (for replica identity) and, per
+    round, (contributors, refused pairs)."""
+    client = PSClient(address, rank, timeout=60, retry_timeout=60)
+    comm = Recording(NoDense(rank, size), client, "quorum-test", scale_partial=False)
+    pipeline = Pipeline(TopK(RATIO), comm, average=False)
+    grads = torch.zeros(SHAPE)
+    applied = torch.zeros(SHAPE)
+    aggregates = []
+    try:
+        for step in range(steps):
+            before_step(step)
+            g = gradient(rank, step)
+            grads += g
+            total = pipeline.reduce({"w": g})["w"]
+            applied += total
+            aggregates.append(total.numpy().tobytes())
+    finally:
+        client.close()
+    residual = pipeline.feedback.get("w")
+    return {"grads": grads.numpy(), "applied": applied.numpy(),
+            "residual": np.zeros(SHAPE, np.float32) if residual is None else
+            residual.numpy().reshape(SHAPE), "aggregates": aggregates,
+            "rounds": comm.rounds}
+
+
+def main(argv: list[str]) -> None:
+    address, rank, size, steps, out = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), argv[4]
+    pause = float(argv[5]) if len(argv) > 5 else 0.0
+
+    def progress(step: int) -> None:
+        print(f"step {step}", flush=True)
+        time.sleep(pause)
+
+    result = run(address, rank, size, steps, progress)
+    np.savez(out, grads=result["grads"], applied=result["applied"],
+             residual=result["residual"], rounds=np.array(result["rounds"]),
+             aggregates=np.array([np.frombuffer(a, np.float32) for a in result["aggregates"]]))
+    print("done", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
