@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+from hvd_compress.comm.ops import SparseSum
+from hvd_compress.comm.parameter_server import ParameterServerCommunicator, _ServerRound
 from hvd_compress.comm.ps_transport.base import (
     LATE,
     PartialSum,
@@ -260,3 +262,27 @@ def test_topk_workers_with_a_straggler_lose_no_gradient_mass(quorum_server):
     grads = sum(r["grads"] for r in results.values())
     kept = sum(r["residual"] for r in results.values())
     np.testing.assert_array_equal(results[0]["applied"] + kept, grads)
+
+
+class _Client:
+    worker = 0
+
+    def expect_workers(self, workers: int) -> None:
+        pass
+
+
+def test_each_shards_sum_is_scaled_to_the_mean_over_its_contributors():
+    """With 4 workers, a shard summed by 3 is multiplied by 4/3 (so the job's average over
+    4 is the mean over those 3); a full shard is left alone; unscaled on request."""
+    op = SparseSum("sparse", 8, torch.tensor([1, 6]), torch.tensor([3.0, 4.0]))
+    for scale, factor in ((True, 4 / 3), (False, 1.0)):
+        comm = ParameterServerCommunicator(worker.NoDense(0, 4), _Client(), "s",
+                                           scale_partial=scale)
+        pending = PendingRound("t", 0, [0, 4, 8], [], [], late=[None, None], missing=[1, 0])
+        result = comm._partial(_ServerRound(op, pending), torch.full((8,), 3.0))
+        assert isinstance(result, PartialSum) and result.refused is None
+        assert result.contributors == (3, 4)
+        assert result.total.tolist() == [3.0 * np.float32(factor)] * 4 + [3.0] * 4
+    full = PendingRound("t", 0, [0, 4, 8], [], [], late=[None, None], missing=[0, 0])
+    total = torch.ones(8)
+    assert comm._partial(_ServerRound(op, full), total) is total
