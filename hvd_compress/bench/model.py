@@ -667,8 +667,10 @@ def row_case(row: Mapping[str, Any], tensors: Mapping[str, tuple[int, ...]],
     if stock:
         return Job(tensors, "none", pipeline=False,
                    element_bytes=2 if scheme == "fp16" else 4), cluster
-    spec, _, where = scheme.partition("@")
-    return Job(tensors, spec, route="ps" if where == "ps" else "native"), cluster
+    spec, *where = scheme.split("@")
+    if "gloo" in where:  # dense rounds on a torch.distributed Gloo group: no Horovod cycle
+        cluster = dataclasses.replace(cluster, cycle_s=0.0)
+    return Job(tensors, spec, route="ps" if "ps" in where else "native"), cluster
 
 
 def _find(rows: Sequence[Mapping[str, Any]], system: str, scheme: str,
@@ -723,10 +725,14 @@ def check(rows: Sequence[Mapping[str, Any]], base: Cluster, hook_s: float = 0.1,
           fitted: bool = True) -> tuple[list[dict[str, Any]], Cluster]:
     """Every step-time row of a ``bench cluster`` run (rows with a ``step_s`` and a model
     of :data:`~hvd_compress.bench.cluster_rank.MODELS`, not the compute floor) predicted
-    against its measurement; with ``fitted``, :data:`FITS` first. Returns the rows (with
+    against its measurement; with ``fitted``, :data:`FITS` first. The compute time is the
+    run's own floor row for the model and link where it has one (``system`` ``floor``:
+    the same ranks, no exchange), else ``base.compute_s``. Returns the rows (with
     ``error``, predicted / measured - 1, and ``fitted_here`` for the fit rows) and the
     cluster parameters used."""
     timed = [r for r in rows if "step_s" in r and r.get("system") != "floor"]
+    floors = {(r["model"], r["link"]): float(r["step_s"]) for r in rows
+              if r.get("system") == "floor" and "step_s" in r}
     out: list[dict[str, Any]] = []
     by_model: dict[str, list[Mapping[str, Any]]] = {}
     for row in timed:
@@ -738,7 +744,9 @@ def check(rows: Sequence[Mapping[str, Any]], base: Cluster, hook_s: float = 0.1,
         used = params
         fits = {(s, sc, lk) for _, s, sc, lk in FITS}
         for row in mine:
-            job, cluster = row_case(row, tensors, params, hook_s)
+            floor = floors.get((model, row["link"]))
+            here = params if floor is None else dataclasses.replace(params, compute_s=floor)
+            job, cluster = row_case(row, tensors, here, hook_s)
             pred = predict_job(job, cluster)
             measured = float(row["step_s"])
             out.append({"system": row["system"], "scheme": row["scheme"],
@@ -819,6 +827,9 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--no-fit", action="store_true",
                    help="with --check: no fitted terms (codec seconds times the cores' "
                         "contention, nothing else): what the plain model predicts")
+    p.add_argument("--fitted", type=Path, metavar="CHECK_JSON",
+                   help="with --check: take the fitted terms from an earlier --check JSON "
+                        "instead of fitting (to predict another run out of sample)")
     p.add_argument("--overlap", action="store_true",
                    help="the hosts' CPU per byte overlaps the wire (default: adds to it)")
     p.add_argument("--table", action="store_true",
@@ -860,6 +871,15 @@ def _write(args: Any, payload: Any, markdown: str) -> None:
         print(f"wrote {args.markdown}")
 
 
+def _fitted_terms(path: Path) -> dict[str, float]:
+    """The :data:`FITS` terms of an earlier ``--check`` JSON (its first model's)."""
+    params = json.loads(Path(path).read_text()).get("parameters") or {}
+    if not params:
+        raise SystemExit(f"--fitted {path}: no fitted parameters in it (a --check JSON?)")
+    first = next(iter(params.values()))
+    return {name: float(first[name]) for name, *_ in FITS}
+
+
 def pass_throughput(one_rank: Mapping[str, Any]) -> float:
     """Bytes per second of the pipeline's passes, from a ``bench overhead`` row: our
     PowerSGD's ``feedback`` and ``commit`` seconds are its three passes (residual added,
@@ -877,6 +897,7 @@ def _run_check(args: Any) -> int:
     if missing:
         raise SystemExit(f"--overhead {overhead} has no row for {', '.join(missing)}: the "
                          "compute floor comes from it")
+    given = _fitted_terms(args.fitted) if args.fitted else {}
     out = []
     fitted: dict[str, Any] = {}
     for name in sorted(models):
@@ -887,16 +908,16 @@ def _run_check(args: Any) -> int:
             _base(args, measure_copy=False), header_share=TCP_HEADER_SHARE, copy_bytes_per_s=(
                 args.copy_gbps * 1e9 if args.copy_gbps else pass_throughput(o)),
             compute_s=o["step_s"]["floor"] * contention, latency_s=0.0,
-            codec_scale=contention)
+            **{"codec_scale": contention, **given})
         mine = [r for r in rows if r.get("model") == name]
         hook_s = o["hook_wall_s"] * contention
-        checked, used = check(mine, base, hook_s, fitted=not args.no_fit)
+        checked, used = check(mine, base, hook_s, fitted=not (args.no_fit or given))
         out += checked
         fitted[name] = {**dataclasses.asdict(used), "contention": contention,
                         "ddp_hook_s": hook_s}
     worst = max(abs(r["error"]) for r in out)
     within = sum(abs(r["error"]) <= 0.2 for r in out)
-    fits = [] if args.no_fit else [list(f) for f in FITS]
+    fits = [] if args.no_fit or given else [list(f) for f in FITS]
     named = ", ".join(f"{n} on {s} {sc} {lk}" for n, s, sc, lk in fits) or "nothing"
     text = "\n".join([markdown_table(out, CHECK_COLUMNS), "",
                       f"{within} of {len(out)} rows within 20% (worst {worst * 100:.1f}%); "
