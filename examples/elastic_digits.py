@@ -9,7 +9,9 @@ may print others while the job runs::
         --network-interface lo --gloo python examples/elastic_digits.py --scheme powersgd
 
 (``--network-interface`` spares Horovod's interface check, which otherwise waits for a
-second host.) ``echo "localhost:2
+second host.) Top-k through parameter servers: start them with ``--workers`` equal to
+``--max-np`` and pass ``--scheme topk:ratio=0.01 --ps grpc://127.0.0.1:7070
+--ps-workers 3``. ``echo "localhost:2
 127.0.0.1:1" > /tmp/hosts`` adds a worker at the next commit, writing ``localhost:2``
 again removes it; a worker killed outright is dropped and the others go on from the last
 commit. The model, the SGD state and the compression state (residuals, PowerSGD's ``Q``)
@@ -47,8 +49,9 @@ StepHook = Callable[[TorchState, str], None]
 
 
 def build(scheme: str, lr: float, momentum: float, seed: int, ps: str | None,
-          pool_on_commit: bool) -> TorchState:
-    """The model, its :func:`DistributedOptimizer` and their elastic state (step 0)."""
+          pool_on_commit: bool, ps_workers: int | None = None) -> TorchState:
+    """The model, its :func:`DistributedOptimizer` and their elastic state (step 0).
+    ``ps_workers``: the servers' ``--workers`` (``--max-np``) when ``ps`` is given."""
     torch.manual_seed(seed)
     model = make_model()
     compression = Compression.parse(scheme)
@@ -57,7 +60,8 @@ def build(scheme: str, lr: float, momentum: float, seed: int, ps: str | None,
                         momentum=0.0 if isinstance(compression, DGC) else momentum),
         named_parameters=model.named_parameters(), compression=compression,
         policy=Policy(min_numel=1024), seed=seed, ps=ps)
-    return TorchState(model, optimizer, pool_on_commit=pool_on_commit, step=0)
+    return TorchState(model, optimizer, pool_on_commit=pool_on_commit, ps_workers=ps_workers,
+                      step=0)
 
 
 def train(state: TorchState, steps: int, batch_size: int = 32, seed: int = 0,
@@ -101,7 +105,11 @@ def main() -> None:
     parser.add_argument("--momentum", type=float, default=0.5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--commit-every", type=int, default=5)
-    parser.add_argument("--ps", default=None, help="parameter servers for top-k/DGC")
+    parser.add_argument("--ps", default=None,
+                        help="parameter servers for top-k/DGC (grpc://HOST:PORT,...), "
+                             "started with --workers equal to --max-np")
+    parser.add_argument("--ps-workers", type=int, default=None,
+                        help="the servers' --workers (horovodrun's --max-np)")
     parser.add_argument("--pool-on-commit", action="store_true",
                         help="pool the owed state at every commit, so that a killed "
                              "worker's is not lost (one all-reduce per commit)")
@@ -111,7 +119,7 @@ def main() -> None:
     hvd.init()
     torch.set_num_threads(1)
     state = build(args.scheme, args.lr, args.momentum, args.seed, args.ps,
-                  args.pool_on_commit)
+                  args.pool_on_commit, args.ps_workers)
     resets = train(state, args.steps, seed=args.seed, commit_every=args.commit_every)
     _, _, x_test, y_test = load_split(args.seed)
     acc = accuracy(state.model, x_test, y_test)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness import BIN, rank_env, run_command
+from tests.servers import ServerProcess, start_servers  # noqa: F401 (the fixture)
 
 RESIZE = "60=localhost:2+127.0.0.1:1;120=localhost:2;180=localhost:2+127.0.0.1:1"
 KILL_STEP = 240  # a worker on 127.0.0.1 kills itself after backward of step 241
@@ -34,7 +35,7 @@ def run_job(tmp: Path, name: str, scheme: str, elastic: bool, ps: str | None = N
     if elastic:
         cmd += ["--resize", RESIZE, "--kill-step", str(KILL_STEP)]
     if ps:
-        cmd += ["--ps", ps]
+        cmd += ["--ps", ps, "--ps-workers", "3"]
     env = dict(rank_env(), OMP_NUM_THREADS="1")
     result = run_command(cmd, timeout=400, env=env)
     assert out.exists(), f"{name}: no result; output tail:\n{result.stdout[-3000:]}"
@@ -60,6 +61,16 @@ def check_elastic(tmp: Path, scheme: str, ps: str | None = None) -> None:
 @pytest.mark.parametrize("scheme", ["none", "powersgd:rank=2,start_iter=0", "onebit"])
 def test_elastic_resizes_and_sigkill(tmp_path: Path, scheme: str) -> None:
     check_elastic(tmp_path, scheme)
+
+
+@pytest.mark.multiprocess
+def test_elastic_topk_through_the_parameter_server(tmp_path: Path, start) -> None:
+    """One server with --workers 3 (the --max-np) for both runs: while 2 ranks run, they
+    push for the third id, each reset opens a new session, and after the SIGKILL the
+    round that waited for the dead worker fails at --deadline and the job goes on."""
+    server: ServerProcess = start("--workers", "3", "--deadline", "10")
+    check_elastic(tmp_path, "topk:ratio=0.05", ps=f"grpc://{server.address}")
+    assert server.proc.poll() is None  # the same server all along
 
 
 @pytest.mark.multiprocess

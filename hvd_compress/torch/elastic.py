@@ -50,17 +50,20 @@ from __future__ import annotations
 
 import copy
 import os
+from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
 
 import horovod.torch as hvd
 import torch
-from horovod.common.exceptions import HostsUpdatedInterrupt
+from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from horovod.torch.elastic.state import StateHandler
 from horovod.torch.elastic.state import TorchState as HorovodTorchState
 
 from hvd_compress.comm.base import Communicator
-from hvd_compress.comm.ops import AllReduce
+from hvd_compress.comm.ops import AllReduce, Collective, SparseSum
+from hvd_compress.comm.parameter_server import ParameterServerCommunicator, connect
+from hvd_compress.comm.ps_transport.base import PSError
 from hvd_compress.schemes.dgc import VELOCITY
 from hvd_compress.schemes.packed import CHUNK_RESIDUAL, chunk_sizes
 from hvd_compress.torch.optimizer import _on_devices, broadcast_optimizer_state
@@ -71,8 +74,8 @@ ranks that stay, zero on new ranks."""
 
 POOL_ROUND = "hvd_compress.elastic.pool"
 
-__all__ = ["CompressionStateHandler", "TorchState", "fold_chunk_residuals", "owed",
-           "pool_owed", "share_owed"]
+__all__ = ["CompressionStateHandler", "StandInPushes", "TorchState", "fold_chunk_residuals",
+           "owed", "pool_owed", "share_owed"]
 
 
 # Pure functions on a pipeline's state_dict() ---------------------------------------------
@@ -162,12 +165,68 @@ def pool_owed(amounts: Mapping[str, torch.Tensor], names: list[str],
     return pooled
 
 
+# Parameter servers whose --workers is the job's largest size --------------------------------
+class StandInPushes:
+    """A :class:`~hvd_compress.comm.parameter_server.ParameterServerCommunicator` for a
+    world of ``W`` ranks smaller than the servers' ``--workers N`` (start the servers with
+    ``--workers`` equal to ``horovodrun --max-np``): rank ``r`` also pushes an empty set
+    of pairs for each absent worker id ``g`` in ``W..N-1`` with ``g % W == r``, each
+    through a client of its own (the servers bind each id of a session to one client), so
+    every round closes with the ``W`` real pushes and nothing waits for a worker that is
+    not there. The aggregate is the ``W`` ranks' sum. A round the servers fail (a worker
+    died and its push never came, ``--deadline``) raises ``HorovodInternalError``, so
+    ``hvd.elastic.run`` restores the last commit and resets instead of stopping."""
+
+    def __init__(self, inner: ParameterServerCommunicator, spec: str, workers: int,
+                 connect_timeout: float | None = None) -> None:
+        self.inner = inner
+        self.dense = inner.dense
+        self.rank, self.size = inner.rank, inner.size
+        self.ordered = inner.ordered
+        self.stand_ins = [connect(spec, g, workers=workers, connect_timeout=connect_timeout)
+                          for g in range(self.size, workers) if g % self.size == self.rank]
+        self._rounds: dict[str, int] = defaultdict(int)
+
+    def start(self, name: str, op: Collective) -> Any:
+        if not isinstance(op, SparseSum):
+            return self.inner.start(name, op)
+        round = self._rounds[name]  # the inner communicator counts the same way
+        self._rounds[name] += 1
+        handle = self.inner.start(name, op)
+        indices, values = (t.detach()[:0].cpu() for t in (op.indices, op.values))
+        empty = [c.start(f"{self.inner.session}/{name}", round, op.numel, indices, values)
+                 for c in self.stand_ins]
+        return _StandInRound(handle, empty)
+
+    def wait(self, handle: Any) -> Any:
+        if not isinstance(handle, _StandInRound):
+            return self.inner.wait(handle)
+        try:
+            result = self.inner.wait(handle.real)
+            for client, pending in zip(self.stand_ins, handle.empty):
+                client.finish(pending)
+        except PSError as err:
+            raise HorovodInternalError(f"parameter-server round failed, taken as a lost "
+                                       f"worker: {err}") from err
+        return result
+
+    def close(self) -> None:
+        for client in [self.inner.client, *self.stand_ins]:
+            client.close()
+
+
+class _StandInRound:
+    def __init__(self, real: Any, empty: list[Any]) -> None:
+        self.real, self.empty = real, empty
+
+
 # The Horovod state handler ----------------------------------------------------------------
 class CompressionStateHandler(StateHandler):
     """Horovod's state handler for a :func:`~hvd_compress.torch.DistributedOptimizer`
     (module docstring: what each kind of compression state does at a reset)."""
 
-    def __init__(self, optimizer: Any, pool_on_commit: bool = False) -> None:
+    def __init__(self, optimizer: Any, pool_on_commit: bool = False,
+                 ps_workers: int | None = None) -> None:
         if not hasattr(optimizer, "_rewire"):
             raise TypeError("CompressionStateHandler takes a "
                             "hvd_compress.torch.DistributedOptimizer")
@@ -176,6 +235,7 @@ class CompressionStateHandler(StateHandler):
                              "torch.distributed group cannot follow Horovod's resets)")
         super().__init__(optimizer)
         self.pool_on_commit = pool_on_commit
+        self.ps_workers = ps_workers
         self._session = os.urandom(4).hex()  # the job's; made common by the first sync
         self._epoch = 0  # resets so far: the parameter servers' session is per epoch
         self._fresh = True  # never synced: a new rank
@@ -210,7 +270,7 @@ class CompressionStateHandler(StateHandler):
             "session": self._session, "epoch": self._epoch, "share": self._share,
             "state": {k: v for k, v in mine.items() if k != "residuals"}}, root_rank=0)
         self._session, self._epoch = common["session"], common["epoch"]
-        opt._rewire(self._ps_session())
+        self._rewire()
         broadcast_optimizer_state(opt, root_rank=0)
         if self._fresh:
             state = dict(common["state"], residuals={})
@@ -236,7 +296,7 @@ class CompressionStateHandler(StateHandler):
         """After Horovod's reset, before any collective: the new ranks' communicator and
         session, and this rank's share of a pooled sum."""
         self._epoch += 1
-        self.value._rewire(self._ps_session())
+        self._rewire()
         if self._pending is not None:
             pooled = self._pending
             share = {n: v / hvd.size() for n, v in pooled.items()}
@@ -253,8 +313,17 @@ class CompressionStateHandler(StateHandler):
         (the committed one, rewired), whose chunk residuals are already folded."""
         self._saved = copy.deepcopy(self.value.state_dict())
 
-    def _ps_session(self) -> str:
-        return f"{self._session}.{self._epoch}"
+    def _rewire(self) -> None:
+        """The optimizer on Horovod's current ranks, with this epoch's server session."""
+        opt = self.value
+        spec, timeout = opt._wiring[2], opt._wiring[3]
+        comm = opt._rewire(f"{self._session}.{self._epoch}", self.ps_workers)
+        if spec and self.ps_workers is not None:
+            if self.ps_workers < comm.size:
+                raise ValueError(f"ps_workers={self.ps_workers} but Horovod has "
+                                 f"{comm.size} ranks: start the servers with --workers "
+                                 "equal to horovodrun's --max-np and pass that")
+            opt._use(StandInPushes(comm, spec, self.ps_workers, timeout))
 
     def _shapes(self) -> dict[str, torch.Size]:
         return {name: p.shape for p, name in self.value._parameter_names.items()}
@@ -312,14 +381,19 @@ class TorchState(HorovodTorchState):
     """``hvd.elastic.TorchState`` whose :func:`DistributedOptimizer` values keep their
     compression state across resets (module docstring). ``pool_on_commit``: also pool
     what is owed at every commit, so that a killed rank's owed state is not lost (one
-    all-reduce of the model's size per commit). Other arguments as Horovod's."""
+    all-reduce of the model's size per commit). ``ps_workers``: the parameter servers'
+    ``--workers`` (``horovodrun --max-np``) when the optimizer has ``ps=``; while fewer
+    ranks run, they stand in for the others (:class:`StandInPushes`). Other arguments as
+    Horovod's."""
 
     def __init__(self, model: torch.nn.Module | None = None, optimizer: Any = None, *,
-                 pool_on_commit: bool = False, **kwargs: Any) -> None:
+                 pool_on_commit: bool = False, ps_workers: int | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(model, optimizer, **kwargs)
         for name, handler in list(self._handlers.items()):
             if hasattr(handler.value, "_rewire"):
-                self._handlers[name] = CompressionStateHandler(handler.value, pool_on_commit)
+                self._handlers[name] = CompressionStateHandler(handler.value, pool_on_commit,
+                                                               ps_workers)
 
     def _compression(self) -> list[CompressionStateHandler]:
         return [h for h in self._handlers.values() if isinstance(h, CompressionStateHandler)]

@@ -70,9 +70,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._delay = {p: backward_passes_per_step for p in self._parameter_names}
         self.sparse_as_dense = sparse_as_dense
         self._wiring = (process_set, collectives, ps, connect_timeout)
-        session = None
-        if ps:
-            session = hvd.broadcast_object(os.urandom(4).hex(), root_rank=0,
+        session = os.urandom(4).hex() if ps else None
+        # Under horovodrun's elastic mode a rank that joins later builds its optimizer
+        # alone: no collective here; hvd_compress.torch.elastic.TorchState's first sync
+        # gives every rank rank 0's session.
+        if ps and os.environ.get("HOROVOD_ELASTIC") != "1":
+            session = hvd.broadcast_object(session, root_rank=0,
                                            process_set=process_set or hvd.global_process_set)
         comm = self._communicator(session)
         self._pipeline = Pipeline(
@@ -99,9 +102,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                             [p.shape for p in backward_order],
                             backward_order[0].device if backward_order else "cpu")
 
-    def _communicator(self, session: str | None) -> Communicator:
+    def _communicator(self, session: str | None, ps_workers: int | None = None
+                      ) -> Communicator:
         """The communicator of Horovod's current ranks (parameter-server rounds under
-        ``session`` when a ``ps=`` was given)."""
+        ``session`` when a ``ps=`` was given, as one of ``ps_workers`` workers: default
+        Horovod's size)."""
         process_set, collectives, ps, connect_timeout = self._wiring
         horovod = HorovodTorchCommunicator(process_set)
         comm: Communicator = horovod
@@ -109,24 +114,32 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             comm = TorchDistCommunicator(horovod_group(hvd, collectives), horovod)
         if ps:
             comm = ParameterServerCommunicator(
-                comm, connect(ps, comm.rank, connect_timeout=connect_timeout), session)
+                comm, connect(ps, comm.rank, workers=ps_workers,
+                              connect_timeout=connect_timeout), session)
         return comm
 
-    def _rewire(self, session: str | None) -> None:
+    def _rewire(self, session: str | None, ps_workers: int | None = None) -> Communicator:
         """Exchange over Horovod's ranks as they are now (after an elastic reset changed
         them), with parameter-server rounds under the new ``session``; the compression
-        state is kept. Used by :mod:`hvd_compress.torch.elastic`."""
+        state is kept. Returns the new communicator. Used by
+        :mod:`hvd_compress.torch.elastic`."""
         old = self._pipeline.comm
-        client = getattr(old, "client", None)
-        if client is not None:
-            client.close()
-        comm = self._communicator(session)
-        self._pipeline.comm = comm
-        self._pipeline.routes.comm = comm
+        close = getattr(old, "close", None) or getattr(getattr(old, "client", None),
+                                                       "close", None)
+        if close is not None:
+            close()
+        comm = self._communicator(session, ps_workers)
+        self._use(comm)
         self._submitted.clear()
         self._synchronized = False
         for p in self._delay:
             self._delay[p] = self.backward_passes_per_step
+        return comm
+
+    def _use(self, comm: Communicator) -> None:
+        """Exchange through ``comm`` from the next step on."""
+        self._pipeline.comm = comm
+        self._pipeline.routes.comm = comm
 
     # Backward hook: start communication as soon as a gradient is complete ---------------
     def _on_grad(self, p: torch.Tensor) -> None:

@@ -7,6 +7,7 @@ writes the accuracy, the resets, the world sizes seen and any mismatch to ``--ou
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import hashlib
 import json
 import os
@@ -38,14 +39,16 @@ def main() -> None:
     parser.add_argument("--kill-step", type=int, default=-1)
     parser.add_argument("--kill-host", default="127.0.0.1")
     parser.add_argument("--ps", default=None)
+    parser.add_argument("--ps-workers", type=int, default=None)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     resize = {int(step): hosts.replace("+", "\n") + "\n"
               for step, hosts in (item.split("=") for item in args.resize.split(";") if item)}
 
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung run's stacks
     hvd.init()
     torch.set_num_threads(1)
-    state = build(args.scheme, 0.1, 0.5, 0, args.ps, pool_on_commit=False)
+    state = build(args.scheme, 0.1, 0.5, 0, args.ps, False, args.ps_workers)
     seen = {"sizes": [], "mismatches": [], "checks": 0}
 
     def hook(state: TorchState, where: str) -> None:
