@@ -168,3 +168,18 @@ def test_server_transfer_is_the_shard_link_carrying_every_push_and_pull() -> Non
     pred = model.predict_job(job, flat(workers, rate_bits=1e9))
     assert pred.terms["transfer"] == pytest.approx(2 * workers * push * 8 / 1e9, rel=0.1)
     assert pred.host_bytes == pytest.approx(push, rel=0.1)  # a worker sends its push
+
+
+def test_saved_codec_measurements_give_the_same_prediction(tmp_path: Path) -> None:
+    job = model.Job(SHAPES, "onebit")
+    before = model.predict_job(job, flat()).step_s
+    path = tmp_path / "profiles.json"
+    model.save_profiles(path)
+    saved = dict(model.PROFILES)
+    model.PROFILES.clear()
+    try:
+        assert model.load_profiles(path) == len(saved)
+        assert model.PROFILES == saved
+        assert model.predict_job(job, flat()).step_s == before
+    finally:
+        model.PROFILES.update(saved)

@@ -223,11 +223,18 @@ BIG = 16 << 20
 """Tensors of more elements are measured once per rank count, not ``repeats`` times."""
 
 
-@cache
-def profile(spec: str, route: str, shape: tuple[int, ...], repeats: int = 3) -> Profile:
+PROFILES: dict[tuple[str, str, tuple[int, ...]], Profile] = {}
+"""Every route measured in this process (or loaded by :func:`load_profiles`), by (scheme
+spec, route, shape): measured once, reused by every prediction."""
+
+
+def profile(spec: str, route: str, shape: tuple[int, ...], repeats: int = 5) -> Profile:
     """Measure ``route`` (``dense``, ``fp16`` or ``scheme``) of scheme ``spec`` on a tensor
     of ``shape`` (:func:`hvd_compress.policy.measure_route`, CPU, at 2 and 4 ranks, the
-    fastest of ``repeats``)."""
+    fastest of ``repeats``), unless :data:`PROFILES` has it."""
+    key = (spec, route, tuple(shape))
+    if key in PROFILES:
+        return PROFILES[key]
     scheme = _route_scheme(spec, route)
     cpu = torch.device("cpu")
     if math.prod(shape) > BIG:
@@ -237,7 +244,28 @@ def profile(spec: str, route: str, shape: tuple[int, ...], repeats: int = 3) -> 
         raise RuntimeError(f"{spec} on {shape}: rounds differ between 2 and 4 ranks "
                            f"({two.kinds} vs {four.kinds}); the model cannot extrapolate")
     payload = tuple(_fit(a, b, True) for a, b in zip(two.payloads, four.payloads, strict=True))
-    return Profile(two.kinds, payload, _fit(two.compute, four.compute, False))
+    PROFILES[key] = Profile(two.kinds, payload, _fit(two.compute, four.compute, False))
+    return PROFILES[key]
+
+
+def save_profiles(path: Path) -> None:
+    """Write :data:`PROFILES` as JSON, so that a check can be rerun on the same codec
+    measurements (``--profiles``)."""
+    rows = [{"spec": spec, "route": route, "shape": list(shape), "kinds": list(p.kinds),
+             "payload": [list(ab) for ab in p.payload], "codec": list(p.codec)}
+            for (spec, route, shape), p in sorted(PROFILES.items(), key=str)]
+    Path(path).write_text(json.dumps(rows, indent=1) + "\n")
+
+
+def load_profiles(path: Path) -> int:
+    """Add the measurements of a :func:`save_profiles` file to :data:`PROFILES`; returns
+    how many."""
+    rows = json.loads(Path(path).read_text())
+    for row in rows:
+        PROFILES[(row["spec"], row["route"], tuple(row["shape"]))] = Profile(
+            tuple(row["kinds"]), tuple((float(a), float(b)) for a, b in row["payload"]),
+            (float(row["codec"][0]), float(row["codec"][1])))
+    return len(rows)
 
 
 @cache
@@ -827,6 +855,10 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--no-fit", action="store_true",
                    help="with --check: no fitted terms (codec seconds times the cores' "
                         "contention, nothing else): what the plain model predicts")
+    p.add_argument("--profiles", type=Path,
+                   help="codec measurements: read from this JSON if it exists (no "
+                        "measuring for the routes it holds), and written back with any "
+                        "measured now")
     p.add_argument("--fitted", type=Path, metavar="CHECK_JSON",
                    help="with --check: take the fitted terms from an earlier --check JSON "
                         "instead of fitting (to predict another run out of sample)")
@@ -955,14 +987,23 @@ def _run_table(args: Any) -> int:
     return 0
 
 
+def _finish(args: Any, code: int) -> int:
+    if args.profiles is not None:
+        save_profiles(args.profiles)
+    return code
+
+
 def main(args: Any) -> int:
     """``python -m hvd_compress.bench model``: one prediction, ``--check`` or ``--table``."""
     torch.set_num_threads(1)  # one thread per rank, as the emulated cluster's ranks run
+    if args.profiles is not None and args.profiles.exists():
+        print(f"{load_profiles(args.profiles)} codec measurements from {args.profiles}",
+              file=sys.stderr)
     try:
         if args.check is not None:
-            return _run_check(args)
+            return _finish(args, _run_check(args))
         if args.table:
-            return _run_table(args)
+            return _finish(args, _run_table(args))
         job = Job(_tensors(args), args.scheme, args.two_level, args.route, args.shards,
                   args.server_mode, element_bytes=2 if args.fp16_ring else 4)
         pred = predict_job(job, _base(args))
