@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from hvd_compress.bench.stragglers import SparseOnly
 from hvd_compress.comm.ops import SparseSum
 from hvd_compress.comm.parameter_server import ParameterServerCommunicator, _ServerRound
 from hvd_compress.comm.ps_transport.base import (
@@ -276,7 +277,7 @@ def test_each_shards_sum_is_scaled_to_the_mean_over_its_contributors():
     4 is the mean over those 3); a full shard is left alone; unscaled on request."""
     op = SparseSum("sparse", 8, torch.tensor([1, 6]), torch.tensor([3.0, 4.0]))
     for scale, factor in ((True, 4 / 3), (False, 1.0)):
-        comm = ParameterServerCommunicator(worker.NoDense(0, 4), _Client(), "s",
+        comm = ParameterServerCommunicator(SparseOnly(0, 4), _Client(), "s",
                                            scale_partial=scale)
         pending = PendingRound("t", 0, [0, 4, 8], [], [], late=[None, None], missing=[1, 0])
         result = comm._partial(_ServerRound(op, pending), torch.full((8,), 3.0))

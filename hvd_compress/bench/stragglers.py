@@ -31,8 +31,9 @@ from ps_server.service import ShardService
 from ps_server.store import Quorum, ShardStore
 
 
-class _SparseOnly:
-    """The dense side of the communicator: every tensor of this bench goes to the server."""
+class SparseOnly:
+    """The dense side of a :class:`ParameterServerCommunicator` whose every tensor goes
+    to the server (this bench, the quorum tests): it refuses dense collectives."""
 
     def __init__(self, rank: int, size: int) -> None:
         self.rank, self.size = rank, size
@@ -47,7 +48,7 @@ class _SparseOnly:
 def _worker(address: str, rank: int, args: argparse.Namespace, delayed: bool,
             times: dict[int, list[float]]) -> None:
     client = PSClient(address, rank, timeout=120, retry_timeout=60)
-    comm = ParameterServerCommunicator(_SparseOnly(rank, args.workers), client,
+    comm = ParameterServerCommunicator(SparseOnly(rank, args.workers), client,
                                        "stragglers")
     pipeline = Pipeline(TopK(0.01), comm)
     gen = torch.Generator().manual_seed(rank)

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hvd_compress.bench.stragglers import SparseOnly
 from hvd_compress.comm.parameter_server import ParameterServerCommunicator
 from hvd_compress.comm.ps_client import PSClient
 from hvd_compress.comm.ps_transport.base import PartialSum
@@ -24,19 +25,6 @@ from hvd_compress.schemes.topk import TopK
 
 SHAPE = (64, 64)
 RATIO = 0.05
-
-
-class NoDense:
-    """The dense side of the communicator: this test sends every tensor to the server."""
-
-    def __init__(self, rank: int, size: int) -> None:
-        self.rank, self.size = rank, size
-
-    def start(self, name: str, op: Any) -> Any:
-        raise AssertionError(f"{name}: only sparse sums are expected")
-
-    def wait(self, handle: Any) -> Any:
-        raise AssertionError("only sparse sums are expected")
 
 
 class Recording(ParameterServerCommunicator):
@@ -69,7 +57,7 @@ def run(address: str, rank: int, size: int, steps: int,
     aggregates, the residual, every aggregate's bytes (for replica identity) and, per
     round, (contributors, refused pairs)."""
     client = PSClient(address, rank, timeout=60, retry_timeout=60)
-    comm = Recording(NoDense(rank, size), client, "quorum-test", scale_partial=False)
+    comm = Recording(SparseOnly(rank, size), client, "quorum-test", scale_partial=False)
     pipeline = Pipeline(TopK(RATIO), comm, average=False)
     grads = torch.zeros(SHAPE)
     applied = torch.zeros(SHAPE)
