@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -19,8 +20,10 @@ from hvd_compress.comm.ps_transport.base import (
     LATE,
     PartialSum,
     PendingRound,
+    ShardedClient,
     counted_pairs,
 )
+from hvd_compress.comm.ps_transport.mpi import MPIPSClient
 from hvd_compress.ps_protocol import missing_of
 from hvd_compress.sparse_wire import SERVER_ID, Kind, decode_frame, encode_frame
 from ps_server import checkpoint, grpc_transport
@@ -30,6 +33,7 @@ from ps_server.service import ShardService
 from ps_server.store import (
     ConflictingPush,
     Quorum,
+    RequestError,
     ShardStore,
     StaleRound,
 )
@@ -287,3 +291,55 @@ def test_each_shards_sum_is_scaled_to_the_mean_over_its_contributors():
     full = PendingRound("t", 0, [0, 4, 8], [], [], late=[None, None], missing=[0, 0])
     total = torch.ones(8)
     assert comm._partial(_ServerRound(op, full), total) is total
+
+
+class _LoopWorld:
+    """Stands in for MPI.COMM_WORLD: server ranks are :class:`ShardService` objects in
+    this process, each request answered as ``ps_server.mpi_transport`` answers it."""
+
+    def __init__(self, services: dict[int, ShardService], worker: int) -> None:
+        self.services, self.worker = services, worker
+        self.replies: dict[int, list[tuple[str, object]]] = {r: [] for r in services}
+
+    def isend(self, message, dest: int, tag: int):
+        op, data = message
+        service = self.services[dest]
+        try:
+            if op == "push":
+                reply = ("OK", service.push(data, "loop", self.worker))
+            else:
+                frame = service.decode_pull(data, "loop", self.worker)
+                reply = ("OK", service.try_pull(frame, "loop"))
+        except RequestError as err:
+            reply = (err.code, str(err))
+        self.replies[dest].append(reply)
+        return SimpleNamespace(wait=lambda: None)
+
+    def Iprobe(self, source: int, tag: int) -> bool:
+        return bool(self.replies[source])
+
+    def recv(self, source: int, tag: int):
+        return self.replies[source].pop(0)
+
+
+def test_the_mpi_client_keeps_a_late_shard_and_pulls_its_closed_round():
+    """Two shards of 20 elements, 3 workers, quorum 2, grace 0: shard 0 closed round 0
+    with workers 0 and 1, shard 1 has worker 0's push only. Worker 2's push is late on
+    shard 0 (its pairs there are refused) and closes shard 1 (counted)."""
+    services = {10 + s: ShardService(ShardStore(3, s, 2, deadline=10.0,
+                                                quorum=Quorum(3, 2, 0.0))) for s in range(2)}
+    for w in (0, 1):
+        services[10].push(encode_frame(Kind.PUSH, "s/t", 0, 2, 0, w, 10, np.array([1]),
+                                       np.array([1.0], np.float32)), "x", w)
+    services[11].push(encode_frame(Kind.PUSH, "s/t", 1, 2, 0, 0, 10, np.array([2]),
+                                   np.array([5.0], np.float32)), "x", 0)
+    client = MPIPSClient.__new__(MPIPSClient)
+    ShardedClient.__init__(client, 2, None)
+    client.world, client.servers = _LoopWorld(services, 2), [10, 11]
+    client.addresses = ["mpi rank 10", "mpi rank 11"]
+    pending = client.start("s/t", 0, 20, torch.tensor([3, 12]), torch.tensor([7.0, 9.0]))
+    indices, values = client.finish(pending)
+    assert pending.late[0] is not None and "is late" in pending.late[0]
+    assert pending.late[1] is None and pending.missing == [1, 1]
+    assert (indices.tolist(), values.tolist()) == ([1, 12], [2.0, 14.0])
+    assert pending.refused(torch.tensor([3, 12])).tolist() == [True, False]
