@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import BIN, rank_env, run_command
+from tests.harness import BIN, ROOT, rank_env, run_command
 from tests.servers import ServerProcess, start_servers  # noqa: F401 (the fixture)
 
 RESIZE = "60=localhost:2+127.0.0.1:1;120=localhost:2;180=localhost:2+127.0.0.1:1"
@@ -19,32 +19,41 @@ KILL_STEP = 240  # a worker on 127.0.0.1 kills itself after backward of step 241
 STEPS = 300
 
 
-def run_job(tmp: Path, name: str, scheme: str, elastic: bool, ps: str | None = None
-            ) -> dict:
+def elastic_launch(tmp: Path, name: str) -> tuple[Path, list[str]]:
+    """A hosts file holding ``localhost:2``, and ``horovodrun`` elastic (2 to 3 workers)
+    with a discovery script that prints it."""
     hosts = tmp / f"hosts.{name}"
     hosts.write_text("localhost:2\n")
     script = tmp / f"discover.{name}.sh"
     script.write_text(f"#!/bin/sh\ncat {hosts}\n")
     script.chmod(0o755)
+    return hosts, [str(BIN / "horovodrun"), "-np", "2", "--min-np", "2", "--max-np", "3",
+                   "--host-discovery-script", str(script), "--network-interface", "lo",
+                   "--gloo"]
+
+
+def run_job(tmp: Path, name: str, scheme: str, elastic: bool, ps: str | None = None,
+            extra: tuple[str, ...] = ()) -> dict:
+    hosts, launch = elastic_launch(tmp, name)
     out = tmp / f"{name}.json"
-    cmd = [str(BIN / "horovodrun"), "-np", "2", "--min-np", "2", "--max-np", "3",
-           "--host-discovery-script", str(script), "--network-interface", "lo", "--gloo",
-           "--gloo-timeout-seconds", "10", "python", "-m", "tests.workers.elastic",
+    cmd = [*launch, "--gloo-timeout-seconds", "10", "python", "-m", "tests.workers.elastic",
            "--scheme", scheme, "--steps", str(STEPS), "--hosts", str(hosts),
            "--out", str(out)]
     if elastic:
         cmd += ["--resize", RESIZE, "--kill-step", str(KILL_STEP)]
     if ps:
         cmd += ["--ps", ps, "--ps-workers", "3"]
+    cmd += extra
     env = dict(rank_env(), OMP_NUM_THREADS="1")
     result = run_command(cmd, timeout=400, env=env)
     assert out.exists(), f"{name}: no result; output tail:\n{result.stdout[-3000:]}"
     return json.loads(out.read_text())
 
 
-def check_elastic(tmp: Path, scheme: str, ps: str | None = None) -> None:
-    base = run_job(tmp, "base", scheme, elastic=False, ps=ps)
-    run = run_job(tmp, "elastic", scheme, elastic=True, ps=ps)
+def check_elastic(tmp: Path, scheme: str, ps: str | None = None,
+                  extra: tuple[str, ...] = ()) -> None:
+    base = run_job(tmp, "base", scheme, elastic=False, ps=ps, extra=extra)
+    run = run_job(tmp, "elastic", scheme, elastic=True, ps=ps, extra=extra)
     print(f"{scheme}: uninterrupted {base['accuracy']:.2f}%, elastic {run['accuracy']:.2f}% "
           f"(worlds {run['sizes']}, {run['resets']} resets)")
     assert base["sizes"] == [[1, 2]] and base["mismatches"] == []
@@ -64,6 +73,13 @@ def test_elastic_resizes_and_sigkill(tmp_path: Path, scheme: str) -> None:
 
 
 @pytest.mark.multiprocess
+def test_elastic_onebit_pooling_at_every_commit(tmp_path: Path) -> None:
+    """pool_on_commit=True: the owed state is summed at every commit and the restore after
+    the SIGKILL shares the committed sum among the survivors."""
+    check_elastic(tmp_path, "onebit", extra=("--pool-on-commit",))
+
+
+@pytest.mark.multiprocess
 def test_elastic_topk_through_the_parameter_server(tmp_path: Path, start) -> None:
     """One server with --workers 3 (the --max-np) for both runs: while 2 ranks run, they
     push for the third id, each reset opens a new session, and after the SIGKILL the
@@ -76,18 +92,11 @@ def test_elastic_topk_through_the_parameter_server(tmp_path: Path, start) -> Non
 @pytest.mark.multiprocess
 def test_elastic_example_runs_as_a_script(tmp_path: Path) -> None:
     """The example as a user launches it (its own directory on sys.path)."""
-    hosts = tmp_path / "hosts"
-    hosts.write_text("localhost:2\n")
-    script = tmp_path / "discover.sh"
-    script.write_text(f"#!/bin/sh\ncat {hosts}\n")
-    script.chmod(0o755)
+    _, launch = elastic_launch(tmp_path, "script")
     out = tmp_path / "result.json"
-    root = Path(__file__).resolve().parents[1]
     env = rank_env()
     del env["PYTHONPATH"]
-    run_command([str(BIN / "horovodrun"), "-np", "2", "--min-np", "2", "--max-np", "3",
-                 "--host-discovery-script", str(script), "--network-interface", "lo",
-                 "--gloo", "python", str(root / "examples" / "elastic_digits.py"),
+    run_command([*launch, "python", str(ROOT / "examples" / "elastic_digits.py"),
                  "--steps", "60", "--json", str(out)], timeout=300, env=env)
     result = json.loads(out.read_text())
     assert result["size"] == 2 and result["resets"] == 0

@@ -358,7 +358,10 @@ def _discard_step(optimizer: Any) -> None:
 
 def _zero_local(scheme_state: Mapping[str, Mapping[str, torch.Tensor]]
                 ) -> dict[str, dict[str, torch.Tensor]]:
-    return {n: {k: torch.zeros_like(v) if k in LOCAL_KEYS else v for k, v in st.items()}
+    """A new rank's scheme state from rank 0's: its own history and owed state at zero
+    (the owed share comes from :func:`share_owed`), no chunk residual."""
+    return {n: {k: torch.zeros_like(v) if k in LOCAL_KEYS or k == VELOCITY else v
+                for k, v in st.items() if k != CHUNK_RESIDUAL}
             for n, st in scheme_state.items()}
 
 
@@ -368,8 +371,10 @@ def _keep_local(common: Mapping[str, Mapping[str, torch.Tensor]],
     out = {n: dict(st) for n, st in common.items()}
     for name, st in out.items():
         for key in list(st):
-            if key in LOCAL_KEYS or key == VELOCITY:
+            if key in LOCAL_KEYS or key in (VELOCITY, CHUNK_RESIDUAL):
                 st[key] = mine.get(name, {}).get(key, torch.zeros_like(st[key]))
+                if key == CHUNK_RESIDUAL and name not in mine:
+                    del st[key]
     return out
 
 

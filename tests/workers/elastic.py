@@ -40,6 +40,7 @@ def main() -> None:
     parser.add_argument("--kill-host", default="127.0.0.1")
     parser.add_argument("--ps", default=None)
     parser.add_argument("--ps-workers", type=int, default=None)
+    parser.add_argument("--pool-on-commit", action="store_true")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     resize = {int(step): hosts.replace("+", "\n") + "\n"
@@ -48,7 +49,7 @@ def main() -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung run's stacks
     hvd.init()
     torch.set_num_threads(1)
-    state = build(args.scheme, 0.1, 0.5, 0, args.ps, False, args.ps_workers)
+    state = build(args.scheme, 0.1, 0.5, 0, args.ps, args.pool_on_commit, args.ps_workers)
     seen = {"sizes": [], "mismatches": [], "checks": 0}
 
     def hook(state: TorchState, where: str) -> None:
