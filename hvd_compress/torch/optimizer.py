@@ -23,6 +23,7 @@ from hvd_compress.comm.horovod_torch import HorovodTorchCommunicator
 from hvd_compress.comm.parameter_server import ParameterServerCommunicator, connect
 from hvd_compress.comm.ps_client import check_timeout
 from hvd_compress.comm.torch_dist import TorchDistCommunicator, check_nccl, horovod_group
+from hvd_compress.hierarchy import HierarchicalPipeline, check_hierarchy, horovod_pipeline
 from hvd_compress.pipeline import DEFAULT_REPORT_EVERY, Pipeline
 from hvd_compress.policy import Policy
 from hvd_compress.schemes.base import Scheme
@@ -43,7 +44,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                  seed: int, process_set: Any, ps: str | None,
                  bucket_mb: float | None, connect_timeout: float | None = None,
                  report_every: int = DEFAULT_REPORT_EVERY,
-                 collectives: str = "horovod") -> None:
+                 collectives: str = "horovod", hierarchy: str | None = None) -> None:
         super(self.__class__, self).__init__(params)
         if named_parameters is None:
             named_parameters = [(f"allreduce.noname.{i}.{j}", p)
@@ -77,12 +78,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if ps and os.environ.get("HOROVOD_ELASTIC") != "1":
             session = hvd.broadcast_object(session, root_rank=0,
                                            process_set=process_set or hvd.global_process_set)
-        comm = self._communicator(session)
-        self._pipeline = Pipeline(
-            compression, comm, policy,
-            average=(op == hvd.Average), prescale=gradient_predivide_factor, seed=seed,
-            bucket_bytes=max(1, int(bucket_mb * 2**20)) if bucket_mb else None,
-            report_every=report_every)
+        options = dict(average=(op == hvd.Average), prescale=gradient_predivide_factor,
+                       seed=seed, report_every=report_every,
+                       bucket_bytes=max(1, int(bucket_mb * 2**20)) if bucket_mb else None)
+        self._pipeline: Pipeline | HierarchicalPipeline
+        if hierarchy is None:
+            self._pipeline = Pipeline(compression, self._communicator(session), policy,
+                                      **options)
+        else:
+            self._pipeline = horovod_pipeline(hvd, compression, policy, ps, session,
+                                              connect_timeout, **options)
         self._submitted: set[torch.Tensor] = set()
         self._requires_update: list[torch.Tensor] = []
         self._synchronized = False
@@ -97,9 +102,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # Backward produces gradients roughly in reverse registration order (DDP's
         # assumption too): the last layers' bucket is complete, and starts, first.
         backward_order = self._requires_update[::-1]
-        # Shapes let Compression.auto measure and decide its routes here, on every rank.
+        # Shapes let Compression.auto measure and decide its routes here, on every rank;
+        # under horovodrun elastic, element counts only: a joining rank runs no collective
+        # here, and the elastic state's sync() decides on every rank.
+        elastic = os.environ.get("HOROVOD_ELASTIC") == "1"
         self._pipeline.plan([self._parameter_names[p] for p in backward_order],
-                            [p.shape for p in backward_order],
+                            [p.numel() if elastic else p.shape for p in backward_order],
                             backward_order[0].device if backward_order else "cpu")
 
     def _communicator(self, session: str | None, ps_workers: int | None = None
@@ -261,6 +269,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         super(self.__class__, self).load_state_dict(state_dict)
         if compression_state is not None:
             devices = {name: p.device for p, name in self._parameter_names.items()}
+            pieces = getattr(self._pipeline, "tensor_of", {})  # hierarchy="host"
+            devices.update({key: devices[t] for key, t in pieces.items() if t in devices})
             self._pipeline.load_state_dict(_on_devices(compression_state, devices))
         for p in self._delay:
             self._delay[p] = self.backward_passes_per_step
@@ -317,6 +327,7 @@ def DistributedOptimizer(
     connect_timeout: float | None = None,
     report_every: int = DEFAULT_REPORT_EVERY,
     collectives: str = "horovod",
+    hierarchy: str | None = None,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over all ranks and
     exchanged with ``compression``: a scheme of :class:`hvd_compress.Compression` (default
@@ -376,6 +387,16 @@ def DistributedOptimizer(
             this torch has NCCL, CUDA is available and every parameter is on the current
             CUDA device (``torch.cuda.set_device(hvd.local_rank())`` then
             ``model.cuda()``).
+        hierarchy: ``None`` (default): every rank compresses and exchanges with every
+            other. ``"host"``: two-level compression: the ranks of a host first sum their
+            gradients dense, then each local rank exchanges its slice of every tensor
+            (PowerSGD: whole tensors) compressed across hosts, and the host all-gathers the
+            result (:mod:`hvd_compress.hierarchy`). Hosts are Horovod's, or
+            ``$HVD_COMPRESS_RANKS_PER_HOST`` consecutive ranks; needs
+            ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` (or the sets registered at ``hvd.init``),
+            ``collectives="horovod"`` and the global process set; a ``ps=`` server is then
+            started with ``--workers`` the number of hosts. See
+            docs/user-guide.md#two-level-compression.
 
     Horovod's explicit ``groups``/``num_groups`` are not supported (Horovod's tensor fusion
     still batches small all-reduces), nor is ``op=hvd.Adasum``: both raise ``ValueError``.
@@ -398,11 +419,13 @@ def DistributedOptimizer(
         check_nccl(p.device for group in optimizer.param_groups for p in group["params"])
     check_timeout(connect_timeout, "connect_timeout")
     ps = resolve_ps(ps)
+    check_hierarchy(hierarchy, compression, collectives=collectives, ps=ps,
+                    process_set=process_set, global_set=hvd.global_process_set)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step,
                op, gradient_predivide_factor, sparse_as_dense, policy, seed, process_set, ps,
-               bucket_mb, connect_timeout, report_every, collectives)
+               bucket_mb, connect_timeout, report_every, collectives, hierarchy)
 
 
 def init(ps: str | None = None, controller: str | None = None, **kwargs: Any) -> None:

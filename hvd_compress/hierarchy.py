@@ -1,0 +1,546 @@
+"""Two-level compression (``hierarchy="host"``): dense inside a host, compressed across hosts.
+
+Per step and tensor, on a job of ``H`` hosts with ``L`` ranks each::
+
+    gradient -> dense sum over the host's L ranks (one all-reduce inside the host)
+             -> this local rank's piece of the host sum -> the scheme's exchange across the
+                H hosts, among the ranks of this local rank (a Pipeline of its own)
+             -> all-gather of every local rank's aggregated pieces inside the host
+             -> average over H * L -> gradient for the optimizer
+
+Which piece each local rank carries (:func:`split_of`):
+
+* ``"slices"`` (schemes that compress entries or row blocks independently: none, fp16,
+  bf16, 1-bit, QSGD, TernGrad, the majority vote, top-k, random-k, threshold, DGC): every
+  tensor of at least ``L`` rows is cut into ``L`` row blocks, local rank ``l`` carrying
+  block ``l``, so all ``L`` links and codecs of a host work at once, as in Horovod's
+  hierarchical all-reduce. Tensors with fewer rows go whole, to one local rank.
+* ``"tensors"`` (PowerSGD, whose low-rank factorization needs whole matrices, and any scheme
+  not known to be sliceable): every tensor goes whole to one local rank, tensors assigned
+  largest first to the least loaded local rank (a leader per tensor; a job with one big
+  matrix has one busy link).
+
+The scheme, its error feedback and its state live with the local rank that compresses the
+piece (its residual is that of the host sum's piece); the routes (compress or send dense)
+are those the policy gives the whole tensor. The dense sum inside the host is exact for
+integer-valued gradients, so ``Compression.none`` gives the flat route's aggregate bit for
+bit then. Which ranks share a host: Horovod's (``hvd.cross_rank()``, ``hvd.local_rank()``),
+or ``$HVD_COMPRESS_RANKS_PER_HOST`` consecutive ranks (to emulate hosts on one machine).
+See docs/user-guide.md#two-level-compression.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from itertools import pairwise
+from typing import Any
+
+import torch
+
+from hvd_compress.comm.base import Communicator
+from hvd_compress.comm.ops import AllGather, AllReduce
+from hvd_compress.comm.threads import ThreadGroup
+from hvd_compress.errors import NonFiniteGradientError
+from hvd_compress.pipeline import DEFAULT_BUCKET_BYTES, DEFAULT_REPORT_EVERY, Pipeline
+from hvd_compress.policy import Auto, Policy, Routes
+from hvd_compress.schemes.base import Scheme, write_scaled
+from hvd_compress.schemes.dense import BF16, FP16, NoCompression
+from hvd_compress.schemes.dgc import DGC
+from hvd_compress.schemes.onebit import OneBit
+from hvd_compress.schemes.qsgd import QSGD
+from hvd_compress.schemes.randomk import RandomK
+from hvd_compress.schemes.terngrad import TernGrad
+from hvd_compress.schemes.threshold import Threshold
+from hvd_compress.schemes.topk import TopK
+from hvd_compress.schemes.vote import MajorityVote
+from hvd_compress.step_stats import StepStats
+
+HIERARCHIES = (None, "host")
+"""The values of the optimizers' ``hierarchy=``: ``None`` (flat), ``"host"``."""
+
+RANKS_PER_HOST_ENV = "HVD_COMPRESS_RANKS_PER_HOST"
+"""Set to ``k``: ranks ``0..k-1`` form host 0, ``k..2k-1`` host 1, and so on, instead of
+Horovod's hosts (for emulated clusters and tests on one machine)."""
+
+SLICEABLE: tuple[type[Scheme], ...] = (NoCompression, FP16, BF16, OneBit, QSGD, TernGrad,
+                                       MajorityVote, TopK, RandomK, Threshold, DGC)
+"""Schemes whose row blocks can be compressed independently (``"slices"``)."""
+
+HOST_ROUND = "host"
+"""The round name of the dense sum and the all-gather inside a host (``collective_bytes``)."""
+
+
+def split_of(scheme: Scheme) -> str:
+    """``"slices"`` for a scheme in :data:`SLICEABLE`, else ``"tensors"`` (whole tensors)."""
+    return "slices" if isinstance(scheme, SLICEABLE) else "tensors"
+
+
+# Which ranks share a host ---------------------------------------------------------------
+@dataclass(frozen=True)
+class HostLayout:
+    """The job's hosts, each the tuple of its global ranks in rank order, and this rank."""
+
+    hosts: tuple[tuple[int, ...], ...]
+    rank: int
+
+    @classmethod
+    def from_keys(cls, keys: Sequence[Any], rank: int) -> HostLayout:
+        """The layout from every rank's host key (rank order); hosts numbered by their first
+        rank. ``ValueError`` if hosts hold different numbers of ranks."""
+        hosts: dict[Any, list[int]] = {}
+        for r, key in enumerate(keys):
+            hosts.setdefault(key, []).append(r)
+        sizes = sorted({len(ranks) for ranks in hosts.values()})
+        if len(sizes) != 1:
+            raise ValueError(f"hierarchy='host' needs the same number of ranks on every host; "
+                             f"got hosts of {sizes} ranks ({dict(hosts)})")
+        return cls(tuple(tuple(ranks) for ranks in hosts.values()), rank)
+
+    @property
+    def host(self) -> int:
+        return next(h for h, ranks in enumerate(self.hosts) if self.rank in ranks)
+
+    @property
+    def local_rank(self) -> int:
+        return self.hosts[self.host].index(self.rank)
+
+    @property
+    def local_size(self) -> int:
+        return len(self.hosts[0])
+
+    @property
+    def local_ranks(self) -> tuple[int, ...]:
+        """The global ranks of this rank's host."""
+        return self.hosts[self.host]
+
+    @property
+    def cross_ranks(self) -> tuple[int, ...]:
+        """The global ranks of this local rank on every host, in host order."""
+        return tuple(ranks[self.local_rank] for ranks in self.hosts)
+
+
+def host_key(rank: int, horovod_key: Any) -> Any:
+    """This rank's host: ``rank // $HVD_COMPRESS_RANKS_PER_HOST`` when that is set, else
+    ``horovod_key``."""
+    per_host = os.environ.get(RANKS_PER_HOST_ENV)
+    if not per_host:
+        return horovod_key
+    try:
+        k = int(per_host)
+        if k < 1:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"${RANKS_PER_HOST_ENV} must be a whole number of ranks >= 1, got "
+                         f"{per_host!r}") from None
+    return rank // k
+
+
+def solo() -> Communicator:
+    """A communicator of one rank (collectives return this rank's own input)."""
+    return ThreadGroup(1).communicator(0)
+
+
+def horovod_host_communicators(hvd: Any) -> tuple[HostLayout, Communicator, Communicator]:
+    """The layout and the (inside the host, across hosts) communicators of Horovod's global
+    ranks, over process sets: those registered at ``hvd.init(process_sets=...)`` with these
+    ranks, else added now (``hvd.add_process_set``, which needs
+    ``HOROVOD_DYNAMIC_PROCESS_SETS=1``). Collective: every rank calls it at the same point."""
+    from horovod.common import process_sets as sets
+
+    from hvd_compress.comm.horovod_torch import HorovodTorchCommunicator
+
+    keys = hvd.allgather_object(host_key(hvd.rank(), hvd.cross_rank()))
+    layout = HostLayout.from_keys(keys, hvd.rank())
+    registered = {tuple(ranks): pid for pid, ranks in
+                  sets._basics._get_process_set_ids_and_ranks().items()}
+    mine: dict[tuple[int, ...], Any] = {}
+    groups = [*layout.hosts, *zip(*layout.hosts, strict=True)]
+    for ranks in groups:  # every rank adds every set, in the same order
+        ranks = tuple(ranks)
+        if len(ranks) == 1 or ranks in mine:
+            continue
+        if ranks in registered:
+            mine[ranks] = sets._temp_process_set_object(registered[ranks])
+            continue
+        try:
+            mine[ranks] = hvd.add_process_set(list(ranks))
+        except ValueError as exc:
+            raise ValueError(
+                f"hierarchy='host' needs a Horovod process set per host and per local rank "
+                f"({[list(g) for g in groups]}): start Horovod with "
+                f"HOROVOD_DYNAMIC_PROCESS_SETS=1, or register them at hvd.init(process_sets="
+                f"[hvd.ProcessSet(ranks), ...]) ({exc})") from exc
+
+    def communicator(ranks: tuple[int, ...]) -> Communicator:
+        return solo() if len(ranks) == 1 else HorovodTorchCommunicator(mine[ranks])
+
+    return layout, communicator(layout.local_ranks), communicator(layout.cross_ranks)
+
+
+def check_hierarchy(hierarchy: str | None, scheme: Any, *, collectives: str = "horovod",
+                    ps: str | None = None, process_set: Any = None,
+                    global_set: Any = None) -> None:
+    """``ValueError``, saying what to change, for a ``hierarchy=`` the optimizer cannot
+    run: an unknown value, ``Compression.auto``, ``collectives`` other than Horovod's, a
+    process set other than the global one, ``ps="mpi"`` or Horovod's elastic mode."""
+    if hierarchy not in HIERARCHIES:
+        raise ValueError(f"hierarchy must be one of {HIERARCHIES}, got {hierarchy!r}")
+    if hierarchy is None:
+        return
+    where = "hierarchy='host' (docs/user-guide.md#two-level-compression)"
+    if isinstance(scheme, Auto):
+        raise ValueError(f"{where} does not support Compression.auto yet; pick a scheme")
+    if collectives != "horovod":
+        raise ValueError(f"{where} runs over Horovod's process sets; pass "
+                         f"collectives='horovod', not {collectives!r}")
+    if process_set is not None and global_set is not None \
+            and process_set.process_set_id != global_set.process_set_id:
+        raise ValueError(f"{where} splits Horovod's global ranks into hosts; pass "
+                         "process_set=None")
+    if ps == "mpi":
+        raise ValueError(f"{where} sends sparse pairs to gRPC servers only; use "
+                         "ps='grpc://...' or no ps")
+    if os.environ.get("HOROVOD_ELASTIC") == "1":
+        raise ValueError(f"{where} is not supported under horovodrun's elastic mode")
+
+
+def horovod_pipeline(hvd: Any, scheme: Scheme, policy: Policy | None, ps: str | None,
+                     session: str | None, connect_timeout: float | None,
+                     **options: Any) -> HierarchicalPipeline:
+    """The two-level pipeline of Horovod's global ranks (:func:`horovod_host_communicators`);
+    with ``ps``, the sparse pairs of local rank ``l``'s pieces go to the servers as worker
+    ``host`` of a job of ``H`` workers, in session ``<session>.l<l>`` (one push per host
+    and piece). ``options``: :class:`HierarchicalPipeline`'s."""
+    from hvd_compress.comm.parameter_server import ParameterServerCommunicator, connect
+
+    layout, local, cross = horovod_host_communicators(hvd)
+    if ps:
+        cross = ParameterServerCommunicator(
+            cross, connect(ps, cross.rank, workers=cross.size, connect_timeout=connect_timeout),
+            f"{session}.l{layout.local_rank}")
+    return HierarchicalPipeline(scheme, local, cross, policy, **options)
+
+
+# The pieces ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Piece:
+    """The part ``[start, stop)`` of tensor ``tensor`` (flat), of shape ``shape``, carried
+    across hosts by local rank ``owner`` under the name ``key``."""
+
+    tensor: str
+    key: str
+    owner: int
+    start: int
+    stop: int
+    shape: torch.Size
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+def cut(names: Sequence[str], shapes: Sequence[torch.Size], local_size: int, split: str,
+        loads: list[int] | None = None) -> dict[str, list[Piece]]:
+    """Each tensor's pieces: ``local_size`` row blocks (``split="slices"`` and at least
+    ``local_size`` rows), else the whole tensor for the least loaded local rank (largest
+    tensors first, ties by order given). ``loads`` (elements per local rank) is updated."""
+    loads = loads if loads is not None else [0] * local_size
+    pieces: dict[str, list[Piece]] = {}
+    whole = []
+    for name, shape in zip(names, shapes, strict=True):
+        n = shape.numel()
+        if split == "slices" and len(shape) >= 1 and shape[0] >= local_size > 1:
+            row = n // shape[0]
+            cuts = [shape[0] * i // local_size for i in range(local_size + 1)]
+            pieces[name] = [Piece(name, f"{name}#{i}", i, a * row, b * row,
+                                  torch.Size((b - a, *shape[1:])))
+                            for i, (a, b) in enumerate(pairwise(cuts))]
+            for i, piece in enumerate(pieces[name]):
+                loads[i] += piece.numel
+        else:
+            whole.append((name, shape))
+    for name, shape in sorted(whole, key=lambda item: -item[1].numel()):
+        owner = loads.index(min(loads))
+        loads[owner] += shape.numel()
+        pieces[name] = [Piece(name, name, owner, 0, shape.numel(), shape)]
+    return {name: pieces[name] for name in names}
+
+
+class _PieceRoutes(Routes):
+    """Routes a piece as the policy routes its whole tensor."""
+
+    def __init__(self, routes: Routes) -> None:
+        super().__init__(routes.scheme, routes.policy, routes.comm)
+        self.whole: dict[str, torch.Size] = {}
+
+    def _choose(self, name: str, shape: torch.Size) -> Scheme:
+        return super()._choose(name, self.whole.get(name, shape))
+
+
+class _CrossPipeline(Pipeline):
+    """The pipeline across hosts, whose finite check also agrees inside the host (so every
+    rank of the job commits the step or none does)."""
+
+    host: Communicator
+    tensor_of: dict[str, str]
+
+    def _check_finite(self, flights: list[Any]) -> None:
+        error: NonFiniteGradientError | None = None
+        try:
+            super()._check_finite(flights)
+        except NonFiniteGradientError as exc:
+            error = exc
+        flag = torch.tensor([0.0 if error is None else 1.0])
+        agreed = self.host.wait(self.host.start("hvdc.host.finite",
+                                                AllReduce("finite", flag, inplace=True)))
+        if error is not None:
+            raise NonFiniteGradientError(
+                sorted({self.tensor_of.get(n, n) for n in error.names}),
+                sorted({self.tensor_of.get(n, n) for n in error.local}), error.step,
+                error.rank)
+        if float(agreed.sum()) > 0:
+            step = max((self._steps[f.name] for f in flights), default=0)
+            raise NonFiniteGradientError([], [], step, self.comm.rank)
+
+
+@dataclass
+class _Tensor:
+    grad: torch.Tensor
+    summed: torch.Tensor | None = None
+    handle: Any = None
+
+
+class HierarchicalPipeline:
+    """:class:`~hvd_compress.pipeline.Pipeline`'s interface (``plan``, ``submit``, ``wait``,
+    ``state_dict``...) for two-level compression (module docstring).
+
+    Args:
+        scheme: the compression scheme (not ``Compression.auto``).
+        local: the communicator of this rank's host (``rank`` its local rank).
+        cross: the communicator of this local rank on every host (``rank`` the host).
+        policy, average, prescale, seed, report_every: as :class:`Pipeline`'s, for the whole
+            job (``average`` divides by ``local.size * cross.size``).
+        bucket_bytes: as :class:`Pipeline`'s, for whole tensors: pieces of a ``"slices"``
+            split are bucketed by ``bucket_bytes / L`` so the buckets hold the same tensors.
+        split: ``"slices"`` or ``"tensors"`` (default :func:`split_of` the scheme).
+    """
+
+    def __init__(self, scheme: Scheme, local: Communicator, cross: Communicator,
+                 policy: Policy | None = None, average: bool = True, prescale: float = 1.0,
+                 seed: int = 0, bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+                 report_every: int = DEFAULT_REPORT_EVERY, split: str | None = None) -> None:
+        check_hierarchy("host", scheme)
+        self.split = split or split_of(scheme)
+        if self.split not in ("slices", "tensors"):
+            raise ValueError(f"split must be 'slices' or 'tensors', got {self.split!r}")
+        self.local, self.cross = local, cross
+        self.size = local.size * cross.size
+        self.average, self.prescale = average, prescale
+        sliced = self.split == "slices" and bucket_bytes
+        inner_bytes = max(1, bucket_bytes // local.size) if sliced else bucket_bytes
+        self.inner = _CrossPipeline(scheme, cross, policy, average=False, prescale=1.0,
+                                    seed=seed, bucket_bytes=inner_bytes,
+                                    report_every=report_every)
+        self.inner.host = local
+        self.inner.tensor_of = {}
+        self.inner.routes = self._routes = _PieceRoutes(self.inner.routes)
+        self.scheme = scheme
+        self._order: dict[str, int] = {}
+        self._pieces: dict[str, list[Piece]] = {}
+        self._loads = [0] * local.size
+        self._tensors: dict[str, _Tensor] = {}
+        self._current = StepStats()
+        self.last_step = StepStats()
+        self.total = StepStats()
+
+    # Pipeline's interface -------------------------------------------------------------------
+    @property
+    def feedback(self) -> Any:
+        return self.inner.feedback
+
+    @property
+    def routes(self) -> Routes:
+        return self.inner.routes
+
+    @property
+    def comm(self) -> Communicator:
+        return self.inner.comm
+
+    @property
+    def tensor_of(self) -> dict[str, str]:
+        """The tensor of each piece name (residuals and scheme state are kept by piece)."""
+        return dict(self.inner.tensor_of)
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._tensors)
+
+    @property
+    def buckets(self) -> list[list[str]]:
+        """The buckets of this local rank's pieces across hosts."""
+        return self.inner.buckets
+
+    def pieces(self, name: str) -> list[Piece]:
+        """The pieces of a planned (or already exchanged) tensor."""
+        return list(self._pieces[name])
+
+    def plan(self, names: Sequence[str], numels: Sequence[Sequence[int]],
+             device: torch.device | str = "cpu") -> list[list[str]]:
+        """As :meth:`Pipeline.plan`, with shapes (pieces need them): cuts the tensors into
+        pieces and plans this local rank's pieces across hosts."""
+        if self._tensors:
+            raise RuntimeError("cannot change the plan while exchanges are in flight")
+        shapes = [torch.Size(n) if not isinstance(n, int) else torch.Size((n,))
+                  for n in numels]
+        self._order = {name: i for i, name in enumerate(names)}
+        self._loads = [0] * self.local.size
+        self._pieces = cut(list(names), shapes, self.local.size, self.split, self._loads)
+        mine = self._register(list(names))
+        return self.inner.plan([p.key for p in mine], [p.shape for p in mine], device)
+
+    def _register(self, names: list[str]) -> list[Piece]:
+        """This local rank's pieces of ``names``, routed as their tensors."""
+        mine = [p for n in names for p in self._pieces[n] if p.owner == self.local.rank]
+        for n in names:
+            for p in self._pieces[n]:
+                self._routes.whole[p.key] = self._shape(n)
+                self.inner.tensor_of[p.key] = n
+        return mine
+
+    def _shape(self, name: str) -> torch.Size:
+        pieces = self._pieces[name]
+        if len(pieces) == 1:
+            return pieces[0].shape
+        return torch.Size((sum(p.shape[0] for p in pieces), *pieces[0].shape[1:]))
+
+    def submit(self, name: str, grad: torch.Tensor) -> None:
+        """Start the tensor's dense sum inside the host (at :meth:`wait` over a communicator
+        matched by start order)."""
+        if name in self._tensors:
+            raise RuntimeError(f"tensor {name!r} was submitted twice in one step; call wait() "
+                               "between steps")
+        if grad.is_sparse or not grad.dtype.is_floating_point:
+            raise TypeError(f"tensor {name!r}: hvd_compress exchanges dense floating-point "
+                            f"gradients, got {grad.layout} {grad.dtype}")
+        tensor = self._tensors[name] = _Tensor(grad)
+        if not getattr(self.local, "ordered", False):
+            self._start_sum(name, tensor)
+
+    def _start_sum(self, name: str, tensor: _Tensor) -> None:
+        grad = tensor.grad
+        x = (grad / self.prescale if self.prescale != 1.0 else grad.clone()).contiguous()
+        tensor.summed = x
+        tensor.handle = self.local.start(f"hvdc.host.{name}", AllReduce(HOST_ROUND, x, True))
+        self._current.collective_bytes[HOST_ROUND] += x.numel() * x.element_size()
+        self._current.collectives += 1
+
+    def _sorted(self, names: Sequence[str]) -> list[str]:
+        """Plan order, then unplanned tensors by name: the same on every rank."""
+        return sorted(names, key=lambda n: (self._order.get(n, len(self._order)), n))
+
+    def wait(self, into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """As :meth:`Pipeline.wait`: every rank of the job gets the same aggregates, and a
+        non-finite one raises :class:`NonFiniteGradientError` on every rank with no state
+        changed."""
+        tensors, self._tensors = self._tensors, {}
+        stats, self._current = self._current, StepStats()
+        names = self._sorted(list(tensors))
+        started = time.perf_counter()
+        for name in names:
+            if tensors[name].handle is None:
+                self._start_sum(name, tensors[name])
+        sums = {}
+        for name in names:
+            summed = self.local.wait(tensors[name].handle)
+            assert isinstance(summed, torch.Tensor)
+            sums[name] = summed.reshape(-1)
+        stats.seconds[f"wait {HOST_ROUND}"] += time.perf_counter() - started
+        new = [n for n in names if n not in self._pieces]
+        if new:  # tensors no plan named: cut now, on every rank alike
+            self._pieces.update(cut(new, [tensors[n].grad.shape for n in new],
+                                    self.local.size, self.split, self._loads))
+            self._register(new)
+        for name in names:
+            for piece in self._pieces[name]:
+                if piece.owner == self.local.rank:
+                    self.inner.submit(piece.key, sums[name][piece.start:piece.stop]
+                                      .view(piece.shape))
+        results = self.inner.wait()
+        stats.add(self.inner.last_step)
+        started = time.perf_counter()
+        flat = self._gather(names, tensors, results, stats)
+        stats.seconds[f"wait {HOST_ROUND}"] += time.perf_counter() - started
+        into = into or {}
+        scale = self.prescale / (self.size if self.average else 1)
+        out: dict[str, torch.Tensor] = {}
+        for name in names:
+            grad = tensors[name].grad
+            target = into.get(name)
+            value = flat[name].view(grad.shape)
+            if target is not None:
+                out[name] = write_scaled(value, target, scale)
+            else:
+                out[name] = (value * scale if scale != 1.0 else value).to(grad.dtype)
+        self.total.add(stats)
+        self.last_step = stats
+        return out
+
+    def _gather(self, names: list[str], tensors: Mapping[str, _Tensor],
+                results: Mapping[str, torch.Tensor], stats: StepStats
+                ) -> dict[str, torch.Tensor]:
+        """Every tensor's aggregate (flat, in its gradient's dtype), the local ranks' pieces
+        all-gathered inside the host, one all-gather per dtype."""
+        flat = {n: torch.empty(tensors[n].grad.numel(), dtype=tensors[n].grad.dtype,
+                               device=tensors[n].grad.device) for n in names}
+        by_dtype: dict[torch.dtype, list[Piece]] = {}
+        for name in names:
+            by_dtype.setdefault(flat[name].dtype, []).extend(self._pieces[name])
+        for dtype, pieces in by_dtype.items():
+            sizes = [0] * self.local.size
+            for p in pieces:
+                sizes[p.owner] += p.numel
+            mine = [results[p.key].reshape(-1) for p in pieces if p.owner == self.local.rank]
+            device = flat[pieces[0].tensor].device
+            sent = torch.cat(mine) if mine else torch.empty(0, dtype=dtype, device=device)
+            if self.local.size == 1:
+                parts = [sent]
+            else:
+                stats.collective_bytes[HOST_ROUND] += sent.numel() * sent.element_size()
+                stats.collectives += 1
+                handle = self.local.start(f"hvdc.host.gather.{dtype}",
+                                          AllGather(HOST_ROUND, sent, tuple(sizes)))
+                parts = list(self.local.wait(handle))
+            offsets = [0] * self.local.size
+            for p in pieces:
+                at = offsets[p.owner]
+                flat[p.tensor][p.start:p.stop] = parts[p.owner][at:at + p.numel]
+                offsets[p.owner] += p.numel
+        return flat
+
+    def reduce(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Submit every tensor, then wait (as :meth:`Pipeline.reduce`)."""
+        for name, tensor in tensors.items():
+            self.submit(name, tensor)
+        return self.wait()
+
+    # State -----------------------------------------------------------------------------------
+    def layout(self) -> dict[str, Any]:
+        return {"hosts": self.cross.size, "ranks_per_host": self.local.size,
+                "local_rank": self.local.rank, "split": self.split}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The cross-host pipeline's state (this local rank's pieces' residuals and scheme
+        state) and the layout it holds for."""
+        return {**self.inner.state_dict(), "hierarchy": self.layout()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        state = dict(state)
+        saved = state.pop("hierarchy", None)
+        if saved != self.layout():
+            raise ValueError(f"compression state was saved with hierarchy {saved} but this "
+                             f"rank runs {self.layout()}; resume each rank from its own "
+                             "state on the same hosts x ranks-per-host layout")
+        self.inner.load_state_dict(state)

@@ -1,0 +1,141 @@
+"""Two-level compression on in-process ranks: 2 hosts x 2 ranks against the flat route."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from hvd_compress import Compression, NonFiniteGradientError, Pipeline, Policy
+from hvd_compress.comm.threads import ThreadGroup
+from hvd_compress.hierarchy import HierarchicalPipeline, HostLayout, cut, split_of
+from tests.threaded import on_threads
+
+HOSTS, LOCAL = 2, 2
+WORLD = HOSTS * LOCAL
+SHAPES = {"w": (64, 48), "v": (33, 40), "b": (48,), "row": (1, 2048), "s": ()}
+SCHEMES = ["none", "fp16", "bf16", "onebit:bucket_size=64", "qsgd:bucket_size=64",
+           "terngrad:bucket_size=64", "powersgd:rank=2,start_iter=1", "vote",
+           "topk:ratio=0.05", "randomk:ratio=0.05", "threshold:tau=2.0", "dgc:ratio=0.05"]
+POLICY = Policy(min_numel=64)
+
+
+def hierarchical(scheme: Any, plan: bool = True) -> list[HierarchicalPipeline]:
+    """One pipeline per global rank ``h * LOCAL + l``, planned with SHAPES."""
+    hosts = [ThreadGroup(LOCAL, timeout=30) for _ in range(HOSTS)]
+    cross = [ThreadGroup(HOSTS, timeout=30) for _ in range(LOCAL)]
+    pipes = [HierarchicalPipeline(scheme, hosts[r // LOCAL].communicator(r % LOCAL),
+                                  cross[r % LOCAL].communicator(r // LOCAL), POLICY,
+                                  bucket_bytes=4096)
+             for r in range(WORLD)]
+    if plan:
+        for p in pipes:
+            p.plan(list(SHAPES), list(SHAPES.values()))
+    return pipes
+
+
+def gradients(step: int, integer: bool = False) -> list[dict[str, torch.Tensor]]:
+    torch.manual_seed(step)
+    out = []
+    for _ in range(WORLD):
+        grads = {n: torch.randn(s) for n, s in SHAPES.items()}
+        out.append({n: g.mul(8).round() if integer else g for n, g in grads.items()})
+    return out
+
+
+def steps(pipes: list[Any], first: int, count: int) -> list[list[dict[str, torch.Tensor]]]:
+    """Per step, every rank's aggregates."""
+    result = []
+    for step in range(first, first + count):
+        grads = gradients(step)
+        result.append(on_threads(WORLD, lambda r, g=grads: pipes[r].reduce(g[r])))
+    return result
+
+
+def test_none_matches_the_flat_route_bit_for_bit() -> None:
+    group = ThreadGroup(WORLD, timeout=30)
+    flat = [Pipeline(Compression.none, group.communicator(r), POLICY) for r in range(WORLD)]
+    two = hierarchical(Compression.none)
+    grads = gradients(0, integer=True)
+    want = on_threads(WORLD, lambda r: flat[r].reduce(grads[r]))
+    got = on_threads(WORLD, lambda r: two[r].reduce(grads[r]))
+    for r in range(WORLD):
+        for name, shape in SHAPES.items():
+            assert got[r][name].shape == shape
+            assert torch.equal(got[r][name], want[0][name]), (r, name)
+    # Each local rank carried half of every tensor with enough rows across hosts.
+    assert [p.owner for p in two[0].pieces("w")] == [0, 1]
+    assert two[0].last_step.collective_bytes["host"] > 0
+
+
+@pytest.mark.parametrize("spec", SCHEMES)
+def test_replicas_agree_and_resume_exactly(spec: str) -> None:
+    scheme = Compression.parse(spec)
+    pipes = hierarchical(scheme)
+    first = steps(pipes, 0, 2)
+    saved = [p.state_dict() for p in pipes]
+    later = steps(pipes, 2, 2)
+    resumed = hierarchical(scheme)
+    for p, state in zip(resumed, saved, strict=True):
+        p.load_state_dict(state)
+    again = steps(resumed, 2, 2)
+    for step in first + later:
+        for name in SHAPES:
+            assert all(torch.equal(step[r][name], step[0][name]) for r in range(WORLD))
+            assert step[0][name].isfinite().all()
+    # A host's local ranks compress the pieces of the tensors the flat route compresses.
+    flat = Pipeline(scheme, ThreadGroup(1).communicator(0), POLICY)
+    want = sum(len(pipes[0].pieces(n)) for n, s in SHAPES.items()
+               if flat.route(n, torch.Size(s)) is scheme)
+    assert sum(p.last_step.compressed_tensors for p in pipes[:LOCAL]) == want > 0 \
+        or spec == "none"
+    for a, b in zip(later, again, strict=True):
+        assert all(torch.equal(a[0][n], b[0][n]) for n in SHAPES), spec
+    if spec == "none" or spec.startswith("fp16") or spec.startswith("bf16"):
+        mean = {n: sum(g[n] for g in gradients(3)) / WORLD for n in SHAPES}
+        for n in SHAPES:
+            torch.testing.assert_close(later[1][0][n], mean[n], rtol=0.02, atol=0.02)
+
+
+def test_a_non_finite_piece_fails_every_rank_and_changes_no_state() -> None:
+    pipes = hierarchical(Compression.parse("onebit:bucket_size=64"))
+    steps(pipes, 0, 1)
+    before = [p.state_dict() for p in pipes]
+    grads = gradients(1)
+    grads[3]["v"][-1, -1] = float("nan")  # rows owned by local rank 1 only
+
+    def run(r: int) -> str:
+        try:
+            pipes[r].reduce(grads[r])
+        except NonFiniteGradientError as exc:
+            return ",".join(exc.names) or "elsewhere"
+        return "passed"
+
+    assert sorted(on_threads(WORLD, run)) == ["elsewhere", "elsewhere", "v", "v"]
+    for p, state in zip(pipes, before, strict=True):
+        after = p.state_dict()
+        assert after["steps"] == state["steps"]
+        for name, residual in state["residuals"].items():
+            assert torch.equal(after["residuals"][name], residual)
+
+
+def test_unplanned_tensors_and_the_layout() -> None:
+    pipes = hierarchical(Compression.parse("powersgd:rank=2,start_iter=0"), plan=False)
+    out = steps(pipes, 0, 1)[0]
+    assert all(torch.equal(out[r]["w"], out[0]["w"]) for r in range(WORLD))
+    pieces = cut(["a", "b", "c"], [torch.Size((10, 10)), torch.Size((8, 8)),
+                                   torch.Size((6, 6))], 2, split_of(Compression.none))
+    assert [(p.owner, p.start, p.stop) for p in pieces["a"]] == [(0, 0, 50), (1, 50, 100)]
+    whole = cut(["a", "b", "c"], [torch.Size((10, 10)), torch.Size((8, 8)),
+                                  torch.Size((6, 6))], 2, split_of(Compression.powersgd()))
+    assert [whole[n][0].owner for n in "abc"] == [0, 1, 1]
+    layout = HostLayout.from_keys(["x", "y", "x", "y"], rank=3)
+    assert layout.hosts == ((0, 2), (1, 3))
+    assert (layout.host, layout.local_rank, layout.cross_ranks) == (1, 1, (2, 3))
+    with pytest.raises(ValueError, match="same number of ranks"):
+        HostLayout.from_keys(["x", "x", "y"], rank=0)
+    with pytest.raises(ValueError, match="saved with hierarchy"):
+        state = pipes[0].state_dict()
+        state["hierarchy"] = {**state["hierarchy"], "ranks_per_host": 4}
+        pipes[0].load_state_dict(state)
