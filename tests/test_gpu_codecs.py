@@ -1,7 +1,8 @@
 """Every codec on CUDA against the CPU codecs, bit for bit where the math allows it.
 
 The tests marked ``gpu`` are skipped without CUDA (``tests/conftest.py``). Three routes
-code the same input: ``cuda`` (the schemes' torch code on a CUDA tensor), ``torch`` (the
+code the same input: ``cuda`` (the schemes' torch code on a CUDA tensor, the Triton kernels
+disabled: they are checked against the CPU in ``tests/test_triton_kernels.py``), ``torch`` (the
 same code on the CPU, :func:`hvd_compress.native.disabled`) and ``native`` (the CPU with
 the native kernels of :mod:`hvd_compress.native`, where a scheme has them: 1-bit, QSGD,
 TernGrad). What holds, and what cannot by construction:
@@ -41,6 +42,7 @@ import pytest
 import torch
 
 from hvd_compress import Compression, native, wire
+from hvd_compress import triton as gpu
 from hvd_compress.comm.ops import AllReduce
 from hvd_compress.schemes.base import ExchangeContext
 from hvd_compress.schemes.dense import HalfPayload
@@ -138,7 +140,7 @@ def encode(route: str, scheme: PackedScheme, x: torch.Tensor) -> torch.Tensor:
     draws = native_draws(native.seed(generator(CPU)), x.numel(), scheme.bucket_size) \
         if randomised(scheme) else None
     device = CUDA if route == "cuda" else CPU
-    with native.disabled(), fed(draws):
+    with native.disabled(), gpu.disabled(), fed(draws):
         return scheme.encode(x.to(device), generator(device)).cpu()
 
 
@@ -146,7 +148,7 @@ def decode(route: str, scheme: PackedScheme, payload: torch.Tensor, n: int) -> t
     require(route)
     if route == "native":
         return scheme.decode(payload, n)
-    with native.disabled():
+    with native.disabled(), gpu.disabled():
         return scheme.decode(payload.to(CUDA if route == "cuda" else CPU), n).cpu()
 
 

@@ -189,6 +189,10 @@ def sum_pairs(numel: int, parts: Sequence[tuple[torch.Tensor, torch.Tensor]],
     :func:`hvd_compress.native.buffers.empty`, which spares the page faults of a fresh
     mapping of the dense size).
     """
+    from hvd_compress import triton as gpu  # the Triton kernels' one pass per part
+    if gpu.active(torch.device(device)) and \
+            (summed := gpu.call("sparse.segment_sum", numel, parts, device)) is not None:
+        return summed
     total = buffers.empty(numel, torch.float32, device).zero_()
     for indices, values in parts:
         total.index_add_(0, indices.to(device=device, dtype=torch.long),

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 import torch
 
 from hvd_compress import native, wire
+from hvd_compress import triton as gpu
 from hvd_compress.comm.ops import AllReduce
 from hvd_compress.schemes.base import Exchange, ExchangeContext, Outcome, Scheme
 from hvd_compress.schemes.packed import PackedScheme
@@ -86,6 +87,8 @@ class HalfPayload(PackedScheme):
         return 2 * numel
 
     def encode(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        if gpu.active(x) and (out := gpu.encode_half(x, self.dtype)) is not None:
+            return out
         return cast(x.reshape(-1), self.dtype).view(torch.uint8)
 
     def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from hvd_compress import native, wire
+from hvd_compress import triton as gpu
 from hvd_compress.schemes.base import (
     Exchange,
     ExchangeContext,
@@ -86,6 +87,8 @@ class OneBit(PackedScheme):
     def encode(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         if native.active(x):
             return native.encode("onebit", x, self.bucket_size, self.chunk_bytes(x.numel()))
+        if gpu.active(x) and (out := gpu.encode_packed("onebit", x, self.bucket_size)) is not None:
+            return out
         rows, counts = bucket_view(x, self.bucket_size)
         scale = (rows.abs().sum(dim=1, dtype=torch.float64) / counts).float()
         return torch.cat([wire.pack_bits(x >= 0), wire.floats_to_bytes(scale)])
@@ -96,6 +99,9 @@ class OneBit(PackedScheme):
             "onebit payload")
         if native.active(payload):
             return native.decode("onebit", payload, numel, self.bucket_size)
+        if gpu.active(payload) and \
+                (out := gpu.decode_packed("onebit", payload, numel, self.bucket_size)) is not None:
+            return out
         signs = wire.unpack_bits(bits, numel).to(torch.float32).mul_(2).sub_(1)
         scale = wire.bytes_to_floats(scales).repeat_interleave(self.bucket_size)[:numel]
         return signs.mul_(scale)

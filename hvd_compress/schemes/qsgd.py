@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from hvd_compress import native, wire
+from hvd_compress import triton as gpu
 from hvd_compress.schemes.packed import PackedScheme, bucket_view
 
 
@@ -80,6 +81,10 @@ class QSGD(PackedScheme):
         if native.active(x):
             return native.encode("qsgd", x, self.bucket_size, self.chunk_bytes(x.numel()),
                                  self.bits, self.norm == "l2", native.seed(generator))
+        if gpu.active(x) and (out := gpu.encode_packed(
+                "qsgd", x, self.bucket_size, generator, bits=self.bits,
+                l2=self.norm == "l2")) is not None:
+            return out
         s = self.levels
         rows, _ = bucket_view(x, self.bucket_size)
         if self.norm == "max":
@@ -102,6 +107,9 @@ class QSGD(PackedScheme):
             payload, [code_bytes, self.chunk_bytes(numel) - code_bytes], "qsgd payload")
         if native.active(payload):
             return native.decode("qsgd", payload, numel, self.bucket_size, self.bits)
+        if gpu.active(payload) and (out := gpu.decode_packed(
+                "qsgd", payload, numel, self.bucket_size, self.bits)) is not None:
+            return out
         values = wire.unpack_codes(codes, numel, self.bits).to(torch.float32)
         # norm / s with the divisor a tensor on the payload's device: ATen's CUDA kernel
         # divides by a Python number as a multiplication by its float32 reciprocal, one ulp

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from hvd_compress import triton as gpu
 from hvd_compress.comm.ops import AllReduce
 from hvd_compress.schemes.base import (
     Exchange,
@@ -89,9 +90,13 @@ class RandomK(Scheme):
         k = sparse_count(self.ratio, flat.numel())
         gen = ctx.generator("indices", torch.device("cpu"), shared=True)
         indices = torch.randperm(flat.numel(), generator=gen)[:k].to(x.device)
-        values = flat[indices]
-        if self.unbiased:
-            values = values * (flat.numel() / k)
+        factor = flat.numel() / k if self.unbiased else None
+        values = gpu.call("sparse.gather", flat, indices, factor) \
+            if gpu.active(flat) and flat.dtype == torch.float32 else None
+        if values is None:
+            values = flat[indices]
+            if self.unbiased:
+                values = values * factor
         total = yield AllReduce("values", values)
         aggregate = Scattered(indices, total, x.shape)
         sent = Scattered(indices, values, x.shape)

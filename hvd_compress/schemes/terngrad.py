@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from hvd_compress import native, wire
+from hvd_compress import triton as gpu
 from hvd_compress.schemes.packed import PackedScheme, bucket_view
 
 
@@ -74,6 +75,9 @@ class TernGrad(PackedScheme):
         if native.active(x):
             return native.encode("terngrad", x, self.bucket_size, self.chunk_bytes(x.numel()),
                                  self.clip or 0.0, native.seed(generator))
+        if gpu.active(x) and (out := gpu.encode_packed(
+                "terngrad", x, self.bucket_size, generator, clip=self.clip)) is not None:
+            return out
         rows, counts = bucket_view(x, self.bucket_size)
         if self.clip is not None:
             rows64, counts64 = rows.double(), counts.double().unsqueeze(1)
@@ -96,6 +100,9 @@ class TernGrad(PackedScheme):
             payload, [trit_bytes, self.chunk_bytes(numel) - trit_bytes], "terngrad payload")
         if native.active(payload):
             return native.decode("terngrad", payload, numel, self.bucket_size)
+        if gpu.active(payload) and (out := gpu.decode_packed(
+                "terngrad", payload, numel, self.bucket_size)) is not None:
+            return out
         scale = wire.bytes_to_floats(scales).repeat_interleave(self.bucket_size)[:numel]
         return wire.unpack_trits(trits, numel).to(torch.float32).mul_(scale)
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from hvd_compress import triton as gpu
 from hvd_compress.comm.ops import SparseSum, nbytes
 from hvd_compress.comm.ps_transport.base import counted_pairs
 from hvd_compress.schemes.base import Exchange, ExchangeContext, Outcome, Scattered, Scheme
@@ -61,7 +62,10 @@ def largest(magnitude: torch.Tensor, k: int, generator: torch.Generator) -> torc
     picks = torch.randint(0, n, (SAMPLE,), generator=generator).to(magnitude.device)
     rank = min(SAMPLE, max(1, -(-2 * k * SAMPLE // n)))
     threshold = magnitude[picks].topk(rank, sorted=False).values.min()
-    candidates = (magnitude >= threshold).nonzero().view(-1)
+    candidates = gpu.call("sparse.candidates", magnitude, threshold) \
+        if gpu.active(magnitude) else None
+    if candidates is None:
+        candidates = (magnitude >= threshold).nonzero().view(-1)
     if candidates.numel() < k:
         return magnitude.topk(k, sorted=False).indices
     return candidates[magnitude[candidates].topk(k, sorted=False).indices]
