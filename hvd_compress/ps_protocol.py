@@ -35,12 +35,16 @@ Quorum rounds (``--quorum``)
     A push for a round that closed without it is refused with status :data:`LATE_STATUS`
     (both transports). The aggregate of a round that summed fewer than all workers says
     how many it missed in its frame's worker field (:func:`quorum_sender`,
-    :func:`missing_of`); a full round's aggregate carries ``SERVER_ID`` as before.
+    :func:`missing_of`); a full round's aggregate carries ``SERVER_ID`` as before. The
+    refusal's message ends with the round the server has open (:func:`late_detail`,
+    :func:`open_round_of`), so a late worker knows which rounds closed without it and
+    skips them (:class:`~hvd_compress.comm.parameter_server.ParameterServerCommunicator`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 import struct
 import time
 from collections.abc import Callable
@@ -93,6 +97,21 @@ def missing_of(sender: int) -> int:
     (the inverse of :func:`quorum_sender`; 0 for any field outside its range)."""
     missing = _SERVER_ID - sender
     return missing if 0 <= missing < _MAX_MISSING else 0
+
+
+_OPEN_ROUND = re.compile(r" \[open round (\d+)\]$")
+
+
+def late_detail(message: str, open_round: int) -> str:
+    """A late refusal's message (status :data:`LATE_STATUS`): ``message`` followed by the
+    round the server has open, ``" [open round N]"``; every round before ``N`` is closed."""
+    return f"{message} [open round {open_round}]"
+
+
+def open_round_of(detail: str | None) -> int | None:
+    """The open round a :func:`late_detail` message names; None for any other text."""
+    found = _OPEN_ROUND.search(detail or "")
+    return int(found.group(1)) if found else None
 
 
 def token_metadata(token: str | None) -> tuple[tuple[str, str], ...]:

@@ -16,7 +16,7 @@ import zlib
 from collections.abc import Callable
 from typing import Any
 
-from hvd_compress.ps_protocol import quorum_sender, session_of
+from hvd_compress.ps_protocol import late_detail, quorum_sender, session_of
 from hvd_compress.sparse_wire import Frame, Kind, encode_frame
 from ps_server import durability
 from ps_server.durability import Change
@@ -163,16 +163,19 @@ class ShardStore:
                                      open_round=False)
                 elif finished.contributors and w not in finished.contributors:
                     self.late_pushes += 1
-                    raise self._late(frame, finished)
+                    raise self._late(frame, finished, state.round)
                 return False  # worker w pushed round r before it closed
             raise self._out_of_order(frame, state, "push")
 
-    def _late(self, frame: Frame, finished: Finished) -> LateRound:
+    def _late(self, frame: Frame, finished: Finished, open_round: int) -> LateRound:
+        """The refusal of a late push; its message ends with the open round
+        (:func:`~hvd_compress.ps_protocol.late_detail`), so the worker skips to it."""
         count = len(finished.contributors)
-        return LateRound(f"push for {frame.where()} is late: the round closed with "
-                         f"{count} of {self.workers} workers (--quorum {self.quorum.size}, "
-                         f"--grace {self.quorum.grace:g} s) and does not hold it; keep "
-                         "these pairs for a later round and pull this round's aggregate")
+        return LateRound(late_detail(
+            f"push for {frame.where()} is late: the round closed with {count} of "
+            f"{self.workers} workers (--quorum {self.quorum.size}, --grace "
+            f"{self.quorum.grace:g} s) and does not hold it; keep these pairs for a later "
+            "round and pull this round's aggregate", open_round))
 
     def _check_same(self, tensor: str, state: TensorState, r: int, w: int, digest: int,
                     peer: str, first: tuple[int, str], open_round: bool) -> None:

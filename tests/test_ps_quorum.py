@@ -15,7 +15,11 @@ import torch
 
 from hvd_compress.bench.stragglers import SparseOnly
 from hvd_compress.comm.ops import SparseSum
-from hvd_compress.comm.parameter_server import ParameterServerCommunicator, _ServerRound
+from hvd_compress.comm.parameter_server import (
+    ParameterServerCommunicator,
+    _ServerRound,
+    skip_behind,
+)
 from hvd_compress.comm.ps_transport.base import (
     LATE,
     PartialSum,
@@ -24,7 +28,7 @@ from hvd_compress.comm.ps_transport.base import (
     counted_pairs,
 )
 from hvd_compress.comm.ps_transport.mpi import MPIPSClient
-from hvd_compress.ps_protocol import missing_of
+from hvd_compress.ps_protocol import late_detail, missing_of, open_round_of
 from hvd_compress.sparse_wire import SERVER_ID, Kind, decode_frame, encode_frame
 from ps_server import checkpoint, grpc_transport
 from ps_server.__main__ import parse_args
@@ -157,6 +161,65 @@ def test_late_workers_pull_every_kept_round_and_older_ones_are_stale():
         service.pull(pull(1, worker=2), "c", 0.1)
 
 
+def test_a_late_refusal_names_the_open_round_and_the_client_skips_to_it():
+    """Rounds 0-3 closed with workers 0 and 1: worker 2's push for round 0 is refused
+    naming open round 4, so its rounds 0-3 are closed (but for a shard that took the
+    push, only round 0 is), and it may pull round 2 without pushing it."""
+    service, _ = make(workers=3, size=2, grace=0.0)
+    for r in range(4):
+        service.push(push(0, r, [r], [1.0]), "a")
+        service.push(push(1, r, [r], [2.0]), "b")
+    with pytest.raises(LateRound) as err:
+        service.push(push(2, 0, [1], [4.0]), "c")
+    assert open_round_of(str(err.value)) == 4 and open_round_of("is late") is None
+    assert open_round_of(late_detail("x", 17)) == 17
+    late = PendingRound("t", 0, [0, 5, 10], [], [], late=[str(err.value), None])
+    assert late.closed_before() == 1  # shard 1 took the push: round 1 may be open there
+    late.late[1] = late_detail("late", 3)
+    assert late.closed_before() == 3
+    assert service.pull(pull(2, worker=2), "c", 0.1)  # a closed round, pulled only
+
+
+def test_a_behind_worker_pulls_the_closed_rounds_and_pushes_its_residual_in_the_open_one():
+    """Told by a late refusal of round 0 that the server has round 3 open, the
+    communicator only pulls rounds 1 and 2 (refusing all their pairs to the scheme) and
+    counts round 3 as behind too; skip_behind drops the loader's batches of rounds 1-3
+    and runs the skip step for each (for round 3 a push, of what the scheme gives it)."""
+
+    class Client(_Client):
+        def __init__(self) -> None:
+            self.started: list[tuple[int, int, bool]] = []
+
+        def start(self, tensor, round, numel, indices, values, push=True):
+            self.started.append((round, len(indices), push))
+            late = [late_detail("late", 3) if round == 0 else None]
+            return PendingRound(tensor, round, [0, numel], [], [], late=late,
+                                pull_only=not push)
+
+        def finish(self, pending):
+            pending.missing.append(1)
+            return torch.tensor([0]), torch.tensor([5.0])
+
+    client = Client()
+    comm = ParameterServerCommunicator(SparseOnly(0, 4), client, "s", scale_partial=False)
+    op = SparseSum("sparse", 8, torch.tensor([1, 6]), torch.tensor([3.0, 4.0]))
+    results = []
+
+    def step() -> None:
+        results.append(comm.wait(comm.start("w", op)))
+
+    seen = []
+    for batch in skip_behind(range(6), comm, step):
+        seen.append(batch)
+        step()  # the loop's own step, with a gradient
+    assert seen == [0, 4, 5]  # the batches of rounds 1, 2 and 3 were dropped
+    assert client.started == [(0, 2, True), (1, 0, False), (2, 0, False), (3, 2, True),
+                              (4, 2, True), (5, 2, True)]
+    assert comm.skipped_rounds == 2 and comm.behind() == 0
+    refused = [None if r.refused is None else r.refused.tolist() for r in results]
+    assert refused == [[True, True]] * 3 + [None] * 3  # late or pulled only: all kept
+
+
 def test_without_a_quorum_nothing_changes():
     clock = Clock()
     store = ShardStore(3, 0, 1, deadline=10.0, clock=clock)
@@ -236,12 +299,17 @@ def quorum_server():
     service.close()
 
 
-def test_topk_workers_with_a_straggler_lose_no_gradient_mass(quorum_server):
+@pytest.mark.parametrize("skip", [False, True], ids=["computing", "skipping"])
+def test_topk_workers_with_a_straggler_lose_no_gradient_mass(quorum_server, skip):
     """Every step computes for 0.05 s; worker 2 stalls for 1 s at step 3 while the others
-    go on: rounds close without it, its pushes for them are refused as late and kept in
-    its residual, and it catches up (the closed rounds it pulls are ready, while the
-    others wait out the grace each round). Every worker applies the same aggregates, and
-    the sum of all gradients equals the sum of the aggregates applied plus every worker's
+    go on: rounds close without it and its push is refused as late and kept in its
+    residual; the refusal names the open round, so it only pulls the rounds before it
+    (they are ready, while the others wait out the grace each round) and catches up.
+    ``skipping``: its loader goes through skip_behind, so it computes no gradient for
+    those rounds nor for the one open then (a step on zeros for each, which pulls the
+    closed rounds' aggregates and pushes its residual's pairs to the open one). Every
+    worker takes part in every round and applies the same aggregates, and the sum of the
+    gradients computed equals the sum of the aggregates applied plus every worker's
     residual, exactly."""
     store, address = quorum_server
     steps, results = 24, {}
@@ -250,7 +318,7 @@ def test_topk_workers_with_a_straggler_lose_no_gradient_mass(quorum_server):
         time.sleep(1.0 if rank == 2 and step == 3 else 0.05)
 
     def work(rank: int) -> None:
-        results[rank] = worker.run(address, rank, 3, steps, lambda s: stall(rank, s))
+        results[rank] = worker.run(address, rank, 3, steps, lambda s: stall(rank, s), skip)
 
     threads = [threading.Thread(target=work, args=(r,)) for r in range(3)]
     for t in threads:
@@ -258,10 +326,14 @@ def test_topk_workers_with_a_straggler_lose_no_gradient_mass(quorum_server):
     for t in threads:
         t.join(120)
     assert sorted(results) == [0, 1, 2]
-    assert store.partial_rounds >= 2 and store.late_pushes >= 2
+    assert store.partial_rounds >= 2 and store.late_pushes >= 1
     late = results[2]["rounds"]
     assert sum(refused for _, refused in late) > 0  # its pairs were kept, not lost
     assert (3, 0) in late[-5:]  # it caught up and contributed again
+    if skip:
+        assert results[2]["skipped"] >= 2  # the 1 s stall spans several 0.2 s rounds
+    for rank in (0, 1, 2):
+        assert len(results[rank]["aggregates"]) == steps  # a round per batch, skipped or not
     for rank in (1, 2):
         assert results[rank]["aggregates"] == results[0]["aggregates"]  # replicas agree
     grads = sum(r["grads"] for r in results.values())
@@ -284,13 +356,13 @@ def test_each_shards_sum_is_scaled_to_the_mean_over_its_contributors():
         comm = ParameterServerCommunicator(SparseOnly(0, 4), _Client(), "s",
                                            scale_partial=scale)
         pending = PendingRound("t", 0, [0, 4, 8], [], [], late=[None, None], missing=[1, 0])
-        result = comm._partial(_ServerRound(op, pending), torch.full((8,), 3.0))
+        result = comm._partial(_ServerRound("t", op, pending), torch.full((8,), 3.0))
         assert isinstance(result, PartialSum) and result.refused is None
         assert result.contributors == (3, 4)
         assert result.total.tolist() == [3.0 * np.float32(factor)] * 4 + [3.0] * 4
     full = PendingRound("t", 0, [0, 4, 8], [], [], late=[None, None], missing=[0, 0])
     total = torch.ones(8)
-    assert comm._partial(_ServerRound(op, full), total) is total
+    assert comm._partial(_ServerRound("t", op, full), total) is total
 
 
 class _LoopWorld:

@@ -10,8 +10,10 @@ bindings and older imports.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 import torch
 
@@ -28,8 +30,10 @@ from hvd_compress.ps_protocol import PS_ENV as PS_ENV  # re-exported: ps= when n
 
 @dataclass
 class _ServerRound:
+    name: str
     op: SparseSum
     pending: PendingRound
+    skipped: bool = False  # the round had closed without this worker: nothing was pushed
 
 
 class ParameterServerCommunicator:
@@ -51,6 +55,20 @@ class ParameterServerCommunicator:
     each shard's sum by ``W / contributors`` so that the job's average is the mean over
     the workers that contributed. Every worker, the late one too, gets the same result.
     docs/reliability.md#stragglers has the step times measured with it.
+
+    A late refusal names the round ``R`` the server has open, so the worker knows that
+    every round before ``R`` closed without it: for those, ``start`` sends no push (a
+    pull only) and ``wait`` returns the closed round's aggregate as a :class:`PartialSum`
+    refusing every pair, so the scheme keeps them all in its residual. :meth:`behind`
+    counts those rounds and round ``R`` itself: a training loop need not compute a
+    gradient for them (:func:`skip_behind` drops the loader's batches of those rounds
+    and runs a step on zero gradients instead, which applies each round's aggregate,
+    keeping replicas identical). For round ``R`` that step pushes the residual's pairs
+    (a contribution toward the quorum without a new gradient), so the worker is back in
+    step with the others for ``R + 1``; were it to compute ``R``'s gradient it would
+    push as late as before, round after round. A late worker thus contributes fewer
+    gradients; the samples of the batches it skipped are not computed, the price of any
+    quorum.
     """
 
     def __init__(self, dense: Communicator, client: ShardedClient, session: str,
@@ -64,20 +82,41 @@ class ParameterServerCommunicator:
         self.rank, self.size = dense.rank, dense.size
         self.ordered = getattr(dense, "ordered", False)
         self._rounds: dict[str, int] = defaultdict(int)
+        self._closed: dict[str, int] = {}  # every round below closed without this worker
+        self._resync: dict[str, int] = {}  # behind() counts the rounds below
+        self.skipped_rounds = 0  # rounds this worker only pulled (see behind())
 
     def start(self, name: str, op: Collective) -> Any:
         if not isinstance(op, SparseSum):
             return self.dense.start(name, op)
         round = self._rounds[name]
         self._rounds[name] += 1
+        tensor = f"{self.session}/{name}"
+        if round < self._closed.get(name, 0):  # closed without this worker: pull only
+            self.skipped_rounds += 1
+            return _ServerRound(name, op, self.client.start(
+                tensor, round, op.numel, op.indices[:0], op.values[:0], push=False),
+                skipped=True)
         # The pairs' host copy (made once: the byte count has it too).
-        return _ServerRound(op, self.client.start(f"{self.session}/{name}", round, op.numel,
-                                                  *op.host))
+        return _ServerRound(name, op, self.client.start(tensor, round, op.numel, *op.host))
+
+    def behind(self) -> int:
+        """How many of the coming rounds of every sparse tensor closed without this worker
+        (as the servers' late refusals told), plus the round open then (0 when it is not
+        behind): a loop may run that many steps without computing gradients
+        (:func:`skip_behind`)."""
+        if not self._resync:
+            return 0
+        return max(0, min(self._resync.get(name, 0) - r for name, r in self._rounds.items()))
 
     def wait(self, handle: Any) -> torch.Tensor | list[torch.Tensor] | PartialSum:
         if not isinstance(handle, _ServerRound):
             return self.dense.wait(handle)
         indices, values = self.client.finish(handle.pending)
+        if any(detail is not None for detail in handle.pending.late):
+            closed = handle.pending.closed_before()
+            self._closed[handle.name] = max(closed, self._closed.get(handle.name, 0))
+            self._resync[handle.name] = max(closed + 1, self._resync.get(handle.name, 0))
         device = handle.op.values.device
         # One part: the servers' aggregate, already summed in worker order.
         parts = pairs_to_device([(indices.numpy(), values.numpy())], device)
@@ -89,7 +128,8 @@ class ParameterServerCommunicator:
         else a :class:`PartialSum` (scaled when ``scale_partial``)."""
         pending = handle.pending
         counts = tuple(self.size - missing for missing in pending.missing)
-        refused = pending.refused(handle.op.indices)
+        refused = torch.ones_like(handle.op.indices, dtype=torch.bool) if handle.skipped \
+            else pending.refused(handle.op.indices)
         if refused is None and min(counts) >= self.size:
             return total
         if self.scale_partial:
@@ -97,3 +137,55 @@ class ParameterServerCommunicator:
                 if k < self.size:
                     total[pending.bounds[s]:pending.bounds[s + 1]] *= self.size / k
         return PartialSum(total, refused, counts)
+
+
+T = TypeVar("T")
+
+
+def skip_behind(batches: Iterable[T], comm: Any,
+                skip_step: Callable[[], Any] | None = None) -> Iterator[T]:
+    """``batches``, less those of the rounds that closed without this worker.
+
+    Wrap a training loop's loader with it and the loop needs no other change::
+
+        for batch in skip_behind(loader, optimizer):
+            ...  # forward, backward, optimizer.step() as before
+
+    Before yielding each batch, while the communicator is :meth:`behind
+    <ParameterServerCommunicator.behind>`, the batch is dropped and ``skip_step`` runs
+    instead: a step on zero gradients, which pushes nothing and applies the closed
+    round's aggregate, so this worker's parameters stay identical to the others' and its
+    unsent gradient mass stays in its residual. Every worker thus runs the same number of
+    rounds per pass over its loader; a late one computes fewer gradients (the samples of
+    the dropped batches are the price of the quorum).
+
+    ``comm``: a :class:`ParameterServerCommunicator`, or an object holding one (a
+    ``hvd_compress.torch`` optimizer, a :class:`~hvd_compress.pipeline.Pipeline`);
+    without one (no servers) every batch is yielded. ``skip_step`` defaults to
+    ``comm.zero_grad(); comm.step()`` for an optimizer (whose ``step`` sends zeros for
+    parameters without a gradient). docs/reliability.md#stragglers has measurements.
+    """
+    if skip_step is None:
+        skip_step = partial(_zero_step, comm)
+    for batch in batches:
+        server = _find_communicator(comm)  # looked up again: an elastic reset replaces it
+        if server is not None and server.behind() > 0:
+            skip_step()
+            continue
+        yield batch
+
+
+def _find_communicator(obj: Any) -> ParameterServerCommunicator | None:
+    for candidate in (obj, getattr(obj, "comm", None),
+                      getattr(getattr(obj, "_pipeline", None), "comm", None)):
+        if isinstance(candidate, ParameterServerCommunicator):
+            return candidate
+    return None
+
+
+def _zero_step(optimizer: Any) -> None:
+    if not hasattr(optimizer, "step"):
+        raise TypeError(f"skip_behind needs skip_step= for a {type(optimizer).__name__} "
+                        "(the step to run without gradients)")
+    optimizer.zero_grad()
+    optimizer.step()

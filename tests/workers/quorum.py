@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from hvd_compress.bench.stragglers import SparseOnly
-from hvd_compress.comm.parameter_server import ParameterServerCommunicator
+from hvd_compress.comm.parameter_server import ParameterServerCommunicator, skip_behind
 from hvd_compress.comm.ps_client import PSClient
 from hvd_compress.comm.ps_transport.base import PartialSum
 from hvd_compress.pipeline import Pipeline
@@ -51,45 +51,63 @@ def gradient(rank: int, step: int) -> torch.Tensor:
 
 
 def run(address: str, rank: int, size: int, steps: int,
-        before_step: Callable[[int], None] = lambda step: None) -> dict[str, Any]:
+        before_step: Callable[[int], None] = lambda step: None,
+        skip: bool = False) -> dict[str, Any]:
     """Train-free steps: each pushes ``gradient(rank, step)`` through top-k and the server
-    at ``address`` (raw sums: no average, no scaling). Returns the sum of gradients, of
-    aggregates, the residual, every aggregate's bytes (for replica identity) and, per
-    round, (contributors, refused pairs)."""
+    at ``address`` (raw sums: no average, no scaling). With ``skip``, the steps of rounds
+    that closed without this worker compute nothing (no ``before_step``, no gradient:
+    :func:`~hvd_compress.comm.parameter_server.skip_behind`) and exchange zeros. Returns
+    the sum of the gradients computed, of aggregates, the residual, every aggregate's
+    bytes (for replica identity), per round (contributors, refused pairs), and the steps
+    skipped."""
     client = PSClient(address, rank, timeout=60, retry_timeout=60)
     comm = Recording(SparseOnly(rank, size), client, "quorum-test", scale_partial=False)
     pipeline = Pipeline(TopK(RATIO), comm, average=False)
     grads = torch.zeros(SHAPE)
     applied = torch.zeros(SHAPE)
     aggregates = []
+
+    def exchange(g: torch.Tensor) -> None:
+        total = pipeline.reduce({"w": g})["w"]
+        applied.add_(total)
+        aggregates.append(total.numpy().tobytes())
+
+    skipped = 0
+
+    def skip_step() -> None:
+        nonlocal skipped
+        skipped += 1
+        exchange(torch.zeros(SHAPE))
+
     try:
-        for step in range(steps):
+        batches = skip_behind(range(steps), comm, skip_step) if skip else range(steps)
+        for step in batches:
             before_step(step)
             g = gradient(rank, step)
             grads += g
-            total = pipeline.reduce({"w": g})["w"]
-            applied += total
-            aggregates.append(total.numpy().tobytes())
+            exchange(g)
     finally:
         client.close()
     residual = pipeline.feedback.get("w")
     return {"grads": grads.numpy(), "applied": applied.numpy(),
             "residual": np.zeros(SHAPE, np.float32) if residual is None else
             residual.numpy().reshape(SHAPE), "aggregates": aggregates,
-            "rounds": comm.rounds}
+            "rounds": comm.rounds, "skipped": skipped}
 
 
 def main(argv: list[str]) -> None:
     address, rank, size, steps, out = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), argv[4]
     pause = float(argv[5]) if len(argv) > 5 else 0.0
+    skip = len(argv) > 6 and argv[6] == "skip"
 
     def progress(step: int) -> None:
         print(f"step {step}", flush=True)
         time.sleep(pause)
 
-    result = run(address, rank, size, steps, progress)
+    result = run(address, rank, size, steps, progress, skip)
     np.savez(out, grads=result["grads"], applied=result["applied"],
              residual=result["residual"], rounds=np.array(result["rounds"]),
+             skipped=result["skipped"],
              aggregates=np.array([np.frombuffer(a, np.float32) for a in result["aggregates"]]))
     print("done", flush=True)
 

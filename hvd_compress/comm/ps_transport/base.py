@@ -13,7 +13,9 @@ the round semantics.
 With a server quorum (``--quorum``), a round may close without this worker: its push is
 then refused as late (status :data:`LATE`) and :meth:`ShardedClient.finish` still pulls
 the closed round's aggregate; the round's :class:`PendingRound` says which shards refused
-the push (``late``) and how many workers each shard's aggregate misses (``missing``).
+the push (``late``) and how many workers each shard's aggregate misses (``missing``);
+a late refusal names the server's open round (:meth:`PendingRound.closed_before`), so a
+worker that fell behind skips the rounds that closed without it.
 A transport only moves the frames (:meth:`ShardedClient._send_pushes`
 and :meth:`ShardedClient._pull`); how to add one is in docs/contributing.md.
 """
@@ -29,7 +31,7 @@ import numpy as np
 import torch
 
 from hvd_compress.comm.ops import sorted_pairs, wire_dtype
-from hvd_compress.ps_protocol import LATE_STATUS, TOKEN_ENV, missing_of
+from hvd_compress.ps_protocol import LATE_STATUS, TOKEN_ENV, missing_of, open_round_of
 from hvd_compress.sparse_wire import Kind, ValueDType, decode_frame, encode_frame
 
 LATE = LATE_STATUS
@@ -123,6 +125,16 @@ class PendingRound:
     pulled: list[Future[bytes]] = field(default_factory=list)
     late: list[str | None] = field(default_factory=list)
     missing: list[int] = field(default_factory=list)
+    pull_only: bool = False  # skipped: no push was sent (``pushes`` holds none)
+
+    def closed_before(self) -> int:
+        """The first round that may still be open on every shard, as this round's replies
+        tell: a shard that refused the push as late names its open round
+        (:func:`~hvd_compress.ps_protocol.open_round_of`), one that took it is at most at
+        ``round + 1``. Every round below the result closed without this worker."""
+        opens = [self.round + 1 if detail is None else
+                 max(self.round + 1, open_round_of(detail) or 0) for detail in self.late]
+        return min(opens, default=self.round + 1)
 
     def refused(self, indices: torch.Tensor) -> torch.Tensor | None:
         """A mask of ``indices`` (flat, on any device) that fall in shards which refused
@@ -202,12 +214,13 @@ class ShardedClient(ABC):
         return self.finish(self.start(tensor_id, round, numel, indices, values))
 
     def start(self, tensor_id: str, round: int, numel: int,
-              indices: torch.Tensor | np.ndarray, values: torch.Tensor | np.ndarray
-              ) -> PendingRound:
+              indices: torch.Tensor | np.ndarray, values: torch.Tensor | np.ndarray,
+              push: bool = True) -> PendingRound:
         """Send this worker's pushes for ``round`` to every shard; :meth:`finish` pulls.
 
         Pushes never wait for other workers, so a worker may start any number of tensors
-        before finishing any, in any order.
+        before finishing any, in any order. ``push=False`` sends no push (a round this
+        worker skips, which the others close by quorum): :meth:`finish` only pulls.
         """
         dtype = self.dtype if self.dtype is not None else wire_dtype(values)
         pull_dtype = self.dtype if self.dtype is not None else ValueDType.FP32
@@ -215,13 +228,15 @@ class ShardedClient(ABC):
         shards = len(self.addresses)
         bounds = shard_bounds(numel, shards)
         cuts = np.searchsorted(idx, bounds)
-        pending = PendingRound(tensor_id, round, bounds, [], [], late=[None] * shards)
+        pending = PendingRound(tensor_id, round, bounds, [], [], late=[None] * shards,
+                               pull_only=not push)
         for s in range(shards):
             lo, hi = cuts[s], cuts[s + 1]
             size = bounds[s + 1] - bounds[s]
-            pending.pushes.append(encode_frame(Kind.PUSH, tensor_id, s, shards, round,
-                                               self.worker, size, idx[lo:hi] - bounds[s],
-                                               val[lo:hi], dtype))
+            if push:
+                pending.pushes.append(encode_frame(Kind.PUSH, tensor_id, s, shards, round,
+                                                   self.worker, size, idx[lo:hi] - bounds[s],
+                                                   val[lo:hi], dtype))
             pending.pulls.append(encode_frame(Kind.PULL, tensor_id, s, shards, round,
                                               self.worker, size, dtype=pull_dtype))
         self._send_pushes(pending)
@@ -254,7 +269,8 @@ class ShardedClient(ABC):
 
     @abstractmethod
     def _send_pushes(self, pending: PendingRound) -> None:
-        """Send each shard its push frame (or queue it; :meth:`_pull` joins)."""
+        """Send each shard its push frame (or queue it; :meth:`_pull` joins); none when
+        ``pending.pull_only``."""
 
     @abstractmethod
     def _pull(self, pending: PendingRound) -> list[bytes]:

@@ -277,7 +277,7 @@ class PSClient(ShardedClient):
         metadata = self.metadata(pending.tensor)
         pending.pushed = [self._push_pool.submit(self._push[s], frame, timeout=self.timeout,
                                                  metadata=metadata)
-                          for s, frame in enumerate(pending.pushes)]
+                          for s, frame in enumerate(pending.pushes)]  # none if pull_only
         pending.pulled = [self._pull_pool.submit(self._shard_pull, pending, s)
                           for s in range(len(pending.pulls))]
 
@@ -289,7 +289,8 @@ class PSClient(ShardedClient):
         (:data:`RETRYABLE`), push again and pull, with exponential back-off, until
         ``connect_timeout`` (a server never reached) or ``retry_timeout`` has passed."""
         grpc, tensor, round = self._grpc, pending.tensor, pending.round
-        start, delay, push = time.monotonic(), 0.05, pending.pushed[shard].result
+        start, delay = time.monotonic(), 0.05
+        push = _nothing if pending.pull_only else pending.pushed[shard].result
         metadata = self.metadata(tensor)
         while True:
             try:
@@ -318,8 +319,9 @@ class PSClient(ShardedClient):
                                 detail, tensor, round, delay)
                     time.sleep(delay * (1 + 0.2 * random.random()))
                     delay = min(2 * delay, 2.0)
-                    push = partial(self._push[shard], pending.pushes[shard],
-                                   timeout=self.timeout, metadata=metadata)
+                    if not pending.pull_only:
+                        push = partial(self._push[shard], pending.pushes[shard],
+                                       timeout=self.timeout, metadata=metadata)
                     continue
                 if tls:
                     detail = (f"TLS handshake failed: {detail} (check the certificate "
@@ -427,3 +429,7 @@ class GrpcTransport(Transport):
         return PSClient(spec, worker, root_certificates=Path(ca).read_bytes() if ca else None,
                         workers=workers, connect_timeout=connect_timeout,
                         retry_timeout=retry_timeout)
+
+
+def _nothing() -> None:
+    """The push of a pull-only round (a skipped round: nothing to send)."""

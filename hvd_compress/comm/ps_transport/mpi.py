@@ -44,7 +44,8 @@ class MPIPSClient(ShardedClient):
         self.addresses = [f"mpi rank {r}" for r in self.servers]
 
     def _send_pushes(self, pending: PendingRound) -> None:
-        self.exchange(pending.tensor, pending.round, "push", pending.pushes, pending.late)
+        if not pending.pull_only:
+            self.exchange(pending.tensor, pending.round, "push", pending.pushes, pending.late)
 
     def _pull(self, pending: PendingRound) -> list[bytes]:
         return self.exchange(pending.tensor, pending.round, "pull", pending.pulls)
