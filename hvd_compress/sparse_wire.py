@@ -279,13 +279,22 @@ def encode_frame(kind: Kind, tensor: str, shard: int, shards: int, round: int, w
         dense = np.zeros(numel, dtype=dtype.numpy)
         dense[idx] = val
         val, index_section = dense, np.zeros(0, np.uint8)
-    header = _HEADER.pack(MAGIC, VERSION, int(kind), int(coding), int(dtype), worker, round,
-                          shard, shards, numel, val.size, index_section.nbytes, len(name))
-    parts = [header, name, index_section, val]  # both contiguous (fresh arrays, ravel)
+    head = pack_header(kind, coding, dtype, worker, round, shard, shards, numel, val.size,
+                       index_section.nbytes, name)
+    parts = [head, index_section, val]  # both contiguous (fresh arrays, ravel)
     crc = 0
     for part in parts:
         crc = crc32(part, crc)
     return b"".join([*parts, struct.pack("<I", crc)])  # one copy of the sections
+
+
+def pack_header(kind: Kind, coding: IndexCoding, dtype: ValueDType, worker: int, round: int,
+                shard: int, shards: int, numel: int, count: int, index_nbytes: int,
+                name: bytes) -> bytes:
+    """A frame's header followed by its tensor name (UTF-8): the bytes before its index
+    section (fields as the module docstring gives them, not checked here)."""
+    return _HEADER.pack(MAGIC, VERSION, int(kind), int(coding), int(dtype), worker, round,
+                        shard, shards, numel, count, index_nbytes, len(name)) + name
 
 
 def decode_frame(data: bytes | bytearray | memoryview, max_numel: int = MAX_NUMEL) -> Frame:

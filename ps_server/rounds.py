@@ -8,9 +8,14 @@ pushes (float32, added in worker order, so the result does not depend on arrival
 
 * mode ``union``: the aggregate is ``{(i, a[i]) : i in U}``, the exact sum;
 * mode ``topk``: with the dense server residual ``e``, ``s = a + e``; the aggregate is the ``k``
-  entries of largest ``|s_i|`` (``k`` = the most pairs any worker pushed this round) and
-  ``e <- s`` with those entries zeroed (error feedback on the server). A non-finite ``s``
-  is returned whole and ``e`` is kept, so workers detect it and skip the step.
+  entries of largest ``|s_i|`` (``k`` = the most pairs any worker pushed this round; of
+  equal ``|s_i|``, the lower indices first) and ``e <- s`` with those entries zeroed
+  (error feedback on the server). A non-finite ``s`` is returned whole and ``e`` is kept,
+  so workers detect it and skip the step.
+
+The sum, the top-k and the aggregate frame run natively when the library is available
+(:mod:`hvd_compress.native.round`: one call per round, no Python work per pair), else in
+numpy here; both give the same bits (``docs/parameter-server.md#the-native-round``).
 
 With a quorum (:class:`Quorum`, ``--quorum K --grace G``), a round also closes once
 ``K <= W`` workers have pushed and ``G`` seconds have passed since it opened; its
@@ -47,8 +52,17 @@ from typing import Any
 
 import numpy as np
 
+from hvd_compress.native import round as native_round
 from hvd_compress.native import sparse as native_sparse
-from hvd_compress.sparse_wire import Frame, ValueDType
+from hvd_compress.sparse_wire import (
+    Frame,
+    IndexCoding,
+    Kind,
+    ValueDType,
+    bitmap_nbytes,
+    encode_frame,
+    pack_header,
+)
 
 MODES = ("union", "topk")
 
@@ -171,6 +185,42 @@ def new_state(mode: str, numel: int, round: int, now: float) -> TensorState:
     return state
 
 
+def close_pushes(mode: str, state: TensorState, pushes: list[Frame], k: int
+                 ) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """A closing round's union sum of ``pushes`` (:func:`sum_pushes`) and its aggregate
+    (:func:`aggregate`, updating ``state``'s residual): natively in one call when the
+    library is available, else in numpy (the same bits)."""
+    native = native_round.close_round([(f.indices, f.values) for f in pushes], state.numel,
+                                      state.residual if mode == "topk" else None, k)
+    if native is not None:
+        return native
+    indices, values = sum_pushes(pushes, state.numel)
+    return (indices, values), aggregate(mode, state, indices, values, k)
+
+
+def encode_aggregate(tensor: str, shard: int, shards: int, finished: Finished, sender: int,
+                     numel: int, dtype: ValueDType) -> bytes:
+    """The aggregate frame of ``finished`` in ``dtype`` (what :func:`encode_frame` gives),
+    written in one native pass for float32 values when the library is available."""
+    idx, val = finished.indices, finished.values
+    if dtype is ValueDType.FP32 and native_sparse.varint_index_nbytes(idx[:0]) is not None:
+        name = tensor.encode("utf-8")
+        count = int(idx.size)
+        sizes = {IndexCoding.VARINT: native_sparse.varint_index_nbytes(idx) + 4 * count,
+                 IndexCoding.BITMAP: bitmap_nbytes(numel) + 4 * count,
+                 IndexCoding.DENSE: 4 * numel}
+        coding = min(sizes, key=lambda c: (sizes[c], c))
+        values = numel if coding is IndexCoding.DENSE else count
+        head = pack_header(Kind.AGGREGATE, coding, dtype, sender, finished.round, shard,
+                           shards, numel, values, sizes[coding] - 4 * values, name)
+        encoded = native_round.encode_frame(head, idx, val, numel, int(coding),
+                                            len(head) + sizes[coding] + 4)
+        if encoded is not None:
+            return encoded
+    return encode_frame(Kind.AGGREGATE, tensor, shard, shards, finished.round, sender, numel,
+                        idx, val, dtype)
+
+
 def sum_pushes(pushes: list[Frame], numel: int) -> tuple[np.ndarray, np.ndarray]:
     """The union of the pushes' indices (increasing, int64) and the float32 sums there,
     added in the order of ``pushes``."""
@@ -190,12 +240,13 @@ def aggregate(mode: str, state: TensorState, indices: np.ndarray, values: np.nda
     """The round's aggregate from its union sum (updating ``state``'s top-k residual);
     see the module docstring for both modes."""
     if mode == "topk":
+        native = native_round.topk(state.residual, indices, values, k)
+        if native is not None:
+            return native
         total = state.residual.copy()
         total[indices] += values
         if np.isfinite(total).all():
-            k = min(k, state.numel)
-            indices = np.sort(np.argpartition(-np.abs(total), k - 1)[:k]) if k else \
-                np.zeros(0, np.int64)
+            indices = _largest(np.abs(total), min(k, state.numel))
             values = total[indices]
             total[indices] = 0.0
             state.residual = total
@@ -203,6 +254,16 @@ def aggregate(mode: str, state: TensorState, indices: np.ndarray, values: np.nda
             indices = np.arange(state.numel)
             values = total
     return indices.astype(np.int64, copy=False), values.astype(np.float32, copy=False)
+
+
+def _largest(magnitude: np.ndarray, k: int) -> np.ndarray:
+    """The increasing indices of the ``k`` largest entries, of equal ones the lowest."""
+    if k <= 0:
+        return np.zeros(0, np.int64)
+    kth = np.partition(magnitude, magnitude.size - k)[magnitude.size - k]
+    above = np.flatnonzero(magnitude > kth)
+    ties = np.flatnonzero(magnitude == kth)[:k - above.size]
+    return np.union1d(above, ties).astype(np.int64, copy=False)
 
 
 def release_memory() -> None:

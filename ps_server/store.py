@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hvd_compress.ps_protocol import late_detail, quorum_sender, session_of
-from hvd_compress.sparse_wire import Frame, Kind, encode_frame
+from hvd_compress.sparse_wire import Frame, Kind
 from ps_server import durability
 from ps_server.durability import Change
 from ps_server.errors import (
@@ -40,7 +40,8 @@ from ps_server.rounds import (
     Finished,
     Quorum,
     TensorState,
-    aggregate,
+    close_pushes,
+    encode_aggregate,
     new_state,
     release_memory,
     sum_pushes,
@@ -409,11 +410,10 @@ class ShardStore:
     def _close(self, tensor: str, state: TensorState) -> None:
         contributors = tuple(sorted(state.pushed))
         pushes = [state.pushed[w] for w in contributors]
-        indices, values = sum_pushes(pushes, state.numel)
         k = max(f.count for f in pushes)
-        state.last = Finished(state.round, *aggregate(self.mode, state, indices, values, k),
-                              durable=not self.durable, contributors=contributors,
-                              digests=state.digests)
+        (indices, values), result = close_pushes(self.mode, state, pushes, k)
+        state.last = Finished(state.round, *result, durable=not self.durable,
+                              contributors=contributors, digests=state.digests)
         partial = len(contributors) < self.workers
         if self.durable:
             self.changes.append(Change(tensor, state.round, state.numel, indices, values, k,
@@ -547,9 +547,8 @@ class ShardStore:
             if encoded is None:
                 sender = quorum_sender(self.workers - len(last.contributors)
                                        if last.contributors else 0)
-                encoded = encode_frame(Kind.AGGREGATE, frame.tensor, self.shard, self.shards,
-                                       last.round, sender, state.numel, last.indices,
-                                       last.values, frame.dtype)
+                encoded = encode_aggregate(frame.tensor, self.shard, self.shards, last, sender,
+                                           state.numel, frame.dtype)
                 last.encoded[frame.dtype] = encoded
             return encoded
         if frame.round == state.round:

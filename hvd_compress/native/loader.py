@@ -62,6 +62,10 @@ _SPARSE_SIGNATURES: dict[str, tuple] = {
     "varint_encode": (_c_ptr, _c_int64, _c_ptr),
     "merge_sum": (_c_int64, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_ptr),
     "crc32": (_c_int64, _c_ptr, _c_int64),
+    "topk": (_c_ptr, _c_int64, _c_ptr, _c_ptr, _c_int64, _c_int64, _c_ptr, _c_ptr),
+    "round": (_c_int64, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_int64,
+              _c_int64, _c_ptr, _c_ptr),
+    "frame_encode": (_c_ptr, _c_int64, _c_ptr, _c_ptr, _c_int64, _c_int64, _c_int64, _c_ptr),
 }
 """Argument types of the ``sparse.cpp`` kernels that return an int64."""
 

@@ -2,11 +2,16 @@
 // aggregation: delta+varint index coding (hvd_compress/sparse_wire.py gives the format),
 // the sum of a round's pushes, and the frames' CRC-32. Single-threaded: a server runs one process per shard,
 // and these loops are bound by memory access, not arithmetic.
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <vector>
-#if defined(__PCLMUL__) && defined(__SSE4_1__)
+#if (defined(__PCLMUL__) && defined(__SSE4_1__)) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+#if defined(__PCLMUL__) && defined(__SSE4_1__)
 #define HVDC_CLMUL 1
 #endif
 
@@ -47,9 +52,147 @@ int64_t emit_block(int64_t base, float* __restrict acc, uint64_t* __restrict mar
     }
     return n;
 }
+
+// The body of hvdc_merge_sum (see there).
+int64_t merge_lists(int64_t lists, const int64_t* const* idx, const float* const* val,
+                    const int64_t* counts, int64_t* out_idx, float* out_val) {
+    std::vector<int64_t> cursor(size_t(lists), 0);
+    std::vector<float> acc(kBlock, 0.0f);
+    std::vector<uint64_t> marked(kWords, 0);
+    float* const a = acc.data();
+    uint64_t* const m = marked.data();
+    int64_t n = 0;
+    for (;;) {
+        int64_t lowest = INT64_MAX;
+        for (int64_t l = 0; l < lists; ++l)
+            if (cursor[l] < counts[l] && idx[l][cursor[l]] < lowest) lowest = idx[l][cursor[l]];
+        if (lowest == INT64_MAX) return n;
+        const int64_t base = lowest & ~(kBlock - 1), end = base + kBlock;
+        int64_t pairs = 0;
+        for (int64_t l = 0; l < lists; ++l) {
+            const int64_t* __restrict ix = idx[l];
+            const float* __restrict v = val[l];
+            const int64_t c = counts[l], from = cursor[l];
+            int64_t j = from;
+            for (; j < c && ix[j] < end; ++j) {
+                const int64_t i = ix[j] - base;
+                if (i < 0) return -1;  // list l decreases: its index lies before this block
+                a[i] += v[j];
+                m[i >> 6] |= uint64_t(1) << (i & 63);
+            }
+            cursor[l] = j;
+            pairs += j - from;
+        }
+        n += pairs > 3 * kWords ? emit_block<8>(base, a, m, out_idx + n, out_val + n)
+                                : emit_block<4>(base, a, m, out_idx + n, out_val + n);
+    }
+}
+
+// |x| as an integer that orders like |x| for finite x (and NaN and infinities above all).
+inline uint32_t magnitude(float x) {
+    uint32_t bits;
+    std::memcpy(&bits, &x, 4);
+    return bits & 0x7FFFFFFFu;
+}
+constexpr uint32_t kNonFinite = 0x7F800000u;  // magnitude() of infinity; NaN is above
 }  // namespace
 
 extern "C" {
+// Server-side error feedback of mode topk: s = residual + (the union sum: n pairs at
+// strictly increasing u_idx), then the k entries of largest |s| (ties: the lower index)
+// go to out_idx (increasing) and out_val, and residual <- s with those entries set to
+// 0.0f. Returns min(k, numel), or -2 when s is not finite anywhere: the residual is then
+// left as it was (the caller returns s whole).
+//
+// One pass over s keeps the candidates, the entries whose |s| reaches a threshold t
+// estimated from a fixed sample (every numel / 2**16-th entry), and checks that s is
+// finite; the k-th largest |s| among them is exact when at least k reach t (else the pass
+// runs again with t = 0), and the winners are written in index order. The sample only
+// decides how many candidates there are, never which entries win.
+int64_t hvdc_topk(float* residual, int64_t numel, const int64_t* u_idx, const float* u_val,
+                  int64_t n, int64_t k, int64_t* out_idx, float* out_val) {
+    std::vector<float> old(size_t(n > 0 ? n : 1));
+    for (int64_t j = 0; j < n; ++j) {
+        old[j] = residual[u_idx[j]];
+        residual[u_idx[j]] = old[j] + u_val[j];
+    }
+    if (k > numel) k = numel;
+    const int64_t stride = numel > (1 << 16) ? numel >> 16 : 1;
+    std::vector<uint32_t> sample;  // sorted in decreasing order
+    if (k > 0 && k < numel) {
+        sample.reserve(size_t(numel / stride + 1));
+        for (int64_t i = 0; i < numel; i += stride) sample.push_back(magnitude(residual[i]));
+        std::sort(sample.begin(), sample.end(), std::greater<uint32_t>());
+    }
+    // The sample's entry of rank k / stride with a margin; 4 times further at each miss.
+    const double expected = double(k) * double(sample.size()) / double(numel);
+    size_t rank = size_t(expected + 4.0 * std::sqrt(expected) + 16.0);
+    uint32_t t = rank < sample.size() ? sample[rank] : 0;
+    std::vector<int64_t> cand;
+    uint32_t worst = 0;
+    for (;;) {
+        cand.clear();
+        cand.reserve(size_t(k > 0 ? 2 * k : 1));
+        int64_t i = 0;
+#if defined(__AVX2__)
+        // 64 entries at a time: their magnitudes' maximum and a mask of those >= t.
+        const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF);
+        const __m256i below = _mm256_set1_epi32(int(t) - 1);  // m >= t iff m > t - 1
+        __m256i most = _mm256_setzero_si256();
+        for (; i + 64 <= numel; i += 64) {
+            uint64_t hits = 0;
+            for (int j = 0; j < 64; j += 8) {
+                const __m256i m = _mm256_and_si256(
+                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(residual + i + j)),
+                    abs_mask);
+                most = _mm256_max_epu32(most, m);
+                const int bits = _mm256_movemask_ps(
+                    _mm256_castsi256_ps(_mm256_cmpgt_epi32(m, below)));
+                hits |= uint64_t(unsigned(bits)) << j;
+            }
+            for (; hits; hits &= hits - 1) cand.push_back(i + __builtin_ctzll(hits));
+        }
+        alignas(32) uint32_t lanes[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), most);
+        for (uint32_t m : lanes) worst = m > worst ? m : worst;
+#endif
+        for (; i < numel; ++i) {
+            const uint32_t m = magnitude(residual[i]);
+            worst = m > worst ? m : worst;
+            if (m >= t) cand.push_back(i);
+        }
+        if (worst >= kNonFinite) {
+            for (int64_t j = n - 1; j >= 0; --j) residual[u_idx[j]] = old[j];
+            return -2;
+        }
+        if (int64_t(cand.size()) >= k || t == 0) break;
+        rank *= 4;  // the sample missed (structured data): a lower threshold
+        t = rank < sample.size() ? sample[rank] : 0;
+    }
+    if (k <= 0) return 0;
+    std::vector<uint32_t> mags(cand.size());
+    for (size_t c = 0; c < cand.size(); ++c) mags[c] = magnitude(residual[cand[c]]);
+    std::vector<uint32_t> order(mags);
+    std::nth_element(order.begin(), order.begin() + (k - 1), order.end(),
+                     std::greater<uint32_t>());
+    const uint32_t kth = order[size_t(k - 1)];
+    int64_t above = 0;
+    for (uint32_t m : mags) above += m > kth;
+    int64_t ties = k - above, written = 0;  // entries equal to the k-th to take
+    for (size_t c = 0; c < cand.size(); ++c) {
+        if (mags[c] < kth) continue;
+        if (mags[c] == kth) {
+            if (!ties) continue;
+            --ties;
+        }
+        const int64_t i = cand[c];
+        out_idx[written] = i;
+        out_val[written++] = residual[i];
+        residual[i] = 0.0f;
+    }
+    return written;
+}
+
 
 // Error codes of hvdc_varint_decode (sparse_wire.py turns them into messages).
 enum : int64_t {
@@ -136,36 +279,23 @@ int64_t hvdc_varint_encode(const int64_t* idx, int64_t count, uint8_t* out) {
 // ones, or lie in the slack.
 int64_t hvdc_merge_sum(int64_t lists, const int64_t* const* idx, const float* const* val,
                        const int64_t* counts, int64_t* out_idx, float* out_val) {
-    std::vector<int64_t> cursor(size_t(lists), 0);
-    std::vector<float> acc(kBlock, 0.0f);
-    std::vector<uint64_t> marked(kWords, 0);
-    float* const a = acc.data();
-    uint64_t* const m = marked.data();
-    int64_t n = 0;
-    for (;;) {
-        int64_t lowest = INT64_MAX;
-        for (int64_t l = 0; l < lists; ++l)
-            if (cursor[l] < counts[l] && idx[l][cursor[l]] < lowest) lowest = idx[l][cursor[l]];
-        if (lowest == INT64_MAX) return n;
-        const int64_t base = lowest & ~(kBlock - 1), end = base + kBlock;
-        int64_t pairs = 0;
-        for (int64_t l = 0; l < lists; ++l) {
-            const int64_t* __restrict ix = idx[l];
-            const float* __restrict v = val[l];
-            const int64_t c = counts[l], from = cursor[l];
-            int64_t j = from;
-            for (; j < c && ix[j] < end; ++j) {
-                const int64_t i = ix[j] - base;
-                if (i < 0) return -1;  // list l decreases: its index lies before this block
-                a[i] += v[j];
-                m[i >> 6] |= uint64_t(1) << (i & 63);
-            }
-            cursor[l] = j;
-            pairs += j - from;
-        }
-        n += pairs > 3 * kWords ? emit_block<8>(base, a, m, out_idx + n, out_val + n)
-                                : emit_block<4>(base, a, m, out_idx + n, out_val + n);
-    }
+    return merge_lists(lists, idx, val, counts, out_idx, out_val);
+}
+
+// A parameter-server round in one call (ps_server/rounds.py gives the contract): the
+// union sum of the pushes as hvdc_merge_sum writes it (out_idx, out_val, `*union_count`
+// pairs), then, with a `residual` (mode topk, numel floats), hvdc_topk of that sum into
+// agg_idx and agg_val. Returns the aggregate's pair count (the union's without a
+// residual), -1 if a list's indices decrease, -2 if s = residual + sum is not finite
+// (the residual is then unchanged).
+int64_t hvdc_round(int64_t lists, const int64_t* const* idx, const float* const* val,
+                   const int64_t* counts, int64_t* out_idx, float* out_val,
+                   int64_t* union_count, float* residual, int64_t numel, int64_t k,
+                   int64_t* agg_idx, float* agg_val) {
+    const int64_t n = merge_lists(lists, idx, val, counts, out_idx, out_val);
+    *union_count = n;
+    if (n < 0 || residual == nullptr) return n;
+    return hvdc_topk(residual, numel, out_idx, out_val, n, k, agg_idx, agg_val);
 }
 
 }  // extern "C"
@@ -267,4 +397,39 @@ extern "C" int64_t hvdc_crc32(int64_t crc, const uint8_t* data, int64_t nbytes) 
     (void)crc, (void)data, (void)nbytes, (void)crc_bytes;
     return -1;
 #endif
+}
+
+// A whole frame (sparse_wire.py's format) of `count` float32 pairs at strictly increasing
+// `idx` below numel, in index coding `coding` (0 delta+varint, 1 bitmap, 2 dense), into
+// out: the `head_len` bytes of `head` (header and tensor name, which the caller packed
+// knowing the coding and the sections' sizes), the index and value sections, then the
+// CRC-32 of all that. `out` holds exactly what this writes; returns the bytes written.
+extern "C" int64_t hvdc_frame_encode(const uint8_t* head, int64_t head_len, const int64_t* idx,
+                                     const float* val, int64_t count, int64_t numel,
+                                     int64_t coding, uint8_t* out) {
+    std::memcpy(out, head, size_t(head_len));
+    uint8_t* p = out + head_len;
+    if (coding == 0) {
+        p += hvdc_varint_encode(idx, count, p);
+        std::memcpy(p, val, size_t(count) * 4);
+        p += count * 4;
+    } else if (coding == 1) {
+        const int64_t bytes = (numel + 7) / 8;
+        std::memset(p, 0, size_t(bytes));
+        for (int64_t j = 0; j < count; ++j) p[idx[j] >> 3] |= uint8_t(1u << (idx[j] & 7));
+        p += bytes;
+        std::memcpy(p, val, size_t(count) * 4);
+        p += count * 4;
+    } else {
+        std::memset(p, 0, size_t(numel) * 4);
+        float* dense = reinterpret_cast<float*>(p);
+        for (int64_t j = 0; j < count; ++j) std::memcpy(dense + idx[j], val + j, 4);
+        p += numel * 4;
+    }
+    const int64_t body = p - out;
+    int64_t crc = hvdc_crc32(0, out, body);
+    if (crc < 0) crc = ~crc_bytes(~0u, out, body) & 0xFFFFFFFFu;
+    const uint32_t c = uint32_t(crc);
+    std::memcpy(p, &c, 4);  // little-endian, as the format says (x86)
+    return body + 4;
 }

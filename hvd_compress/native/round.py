@@ -1,0 +1,125 @@
+"""numpy front end of the parameter server's native round (``sparse.cpp``): the sum of a
+round's pushes, mode ``topk``'s re-sparsification with the server residual, and the
+aggregate frame, each in one native call with no Python work per pair.
+
+The contract is :mod:`ps_server.rounds`'s, bit for bit: these functions return what its
+numpy route returns (``tests/test_ps_native_round.py`` checks both agree). Each returns
+``None`` when the native library is unavailable or :func:`hvd_compress.native.disabled`;
+the caller then runs that numpy route.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+
+import numpy as np
+
+from hvd_compress.native import available, library
+from hvd_compress.native.sparse import MERGE_SLACK
+
+NON_FINITE = -2
+"""What ``hvdc_round`` and ``hvdc_topk`` return when ``s = residual + sum`` is not finite."""
+
+_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
+_new_bytes.restype, _new_bytes.argtypes = ctypes.py_object, (ctypes.c_void_p, ctypes.c_ssize_t)
+_bytes_data = ctypes.pythonapi.PyBytes_AsString
+_bytes_data.restype, _bytes_data.argtypes = ctypes.c_void_p, (ctypes.py_object,)
+
+Pairs = tuple[np.ndarray, np.ndarray]
+
+
+def _lib() -> ctypes.CDLL | None:
+    return library() if available() else None
+
+
+def _ptr(a: np.ndarray) -> int:
+    return a.ctypes.data
+
+
+def _dense_sum(residual: np.ndarray, indices: np.ndarray, values: np.ndarray) -> Pairs:
+    """Mode topk's answer when ``s`` is not finite: ``s`` whole (the residual is kept)."""
+    total = residual.copy()
+    total[indices] += values
+    return np.arange(residual.size, dtype=np.int64), total
+
+
+def close_round(pushes: Sequence[Pairs], numel: int, residual: np.ndarray | None,
+                k: int) -> tuple[Pairs, Pairs] | None:
+    """The union sum of ``pushes`` (strictly increasing int64 indices, float32 or float16
+    values; added in this order from 0) and the round's aggregate: the union sum itself
+    without ``residual`` (mode union), else mode topk's ``k`` pairs, with ``residual``
+    updated in place (see :mod:`ps_server.rounds`). None if not native."""
+    lib = _lib()
+    if lib is None:
+        return None
+    idx = [np.ascontiguousarray(i, dtype=np.int64) for i, _ in pushes]
+    val = [np.ascontiguousarray(v, dtype=np.float32) for _, v in pushes]
+    total = sum(i.size for i in idx)
+    counts = np.array([i.size for i in idx] or [0], dtype=np.int64)
+    union_idx = np.empty(total + MERGE_SLACK, dtype=np.int64)
+    union_val = np.empty(total + MERGE_SLACK, dtype=np.float32)
+    idx_table = np.array([a.ctypes.data for a in idx] or [0], dtype=np.uintp)
+    val_table = np.array([a.ctypes.data for a in val] or [0], dtype=np.uintp)
+    union_count = ctypes.c_int64(0)
+    if residual is None:
+        agg_idx = agg_val = None
+    else:
+        if residual.dtype != np.float32 or not residual.flags.c_contiguous or \
+                residual.size != numel:
+            raise ValueError(f"the residual must be {numel} contiguous float32 values")
+        k = max(0, min(k, numel))
+        agg_idx = np.empty(k, dtype=np.int64)
+        agg_val = np.empty(k, dtype=np.float32)
+    status = lib.hvdc_round(len(idx), _ptr(idx_table), _ptr(val_table), _ptr(counts),
+                            _ptr(union_idx), _ptr(union_val), ctypes.byref(union_count),
+                            None if residual is None else _ptr(residual), numel, k,
+                            None if agg_idx is None else _ptr(agg_idx),
+                            None if agg_val is None else _ptr(agg_val))
+    if status == -1 or union_count.value < 0:
+        raise ValueError("every push's indices must be increasing")
+    union = union_idx[:union_count.value], union_val[:union_count.value]
+    if residual is None:
+        return union, union
+    if status == NON_FINITE:
+        return union, _dense_sum(residual, *union)
+    return union, (agg_idx[:status], agg_val[:status])
+
+
+def topk(residual: np.ndarray, indices: np.ndarray, values: np.ndarray, k: int
+         ) -> Pairs | None:
+    """Mode topk's aggregate from a round's union sum (what :func:`close_round` does after
+    the sum; a restart replays journaled sums through it), updating ``residual`` in place.
+    None if not native."""
+    lib = _lib()
+    if lib is None:
+        return None
+    numel = residual.size
+    indices = np.ascontiguousarray(indices, dtype=np.int64)
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    k = max(0, min(k, numel))
+    out_idx = np.empty(k, dtype=np.int64)
+    out_val = np.empty(k, dtype=np.float32)
+    status = lib.hvdc_topk(_ptr(residual), numel, _ptr(indices), _ptr(values),
+                           indices.size, k, _ptr(out_idx), _ptr(out_val))
+    if status == NON_FINITE:
+        return _dense_sum(residual, indices, values)
+    return out_idx[:status], out_val[:status]
+
+
+def encode_frame(head: bytes, indices: np.ndarray, values: np.ndarray, numel: int,
+                 coding: int, size: int) -> bytes | None:
+    """A frame of float32 pairs written in one native pass: ``head`` (its header and name,
+    packed by :func:`hvd_compress.sparse_wire.encode_frame`'s rules), the sections in
+    ``coding``, the CRC; ``size`` is the frame's length. None if not native."""
+    lib = _lib()
+    if lib is None:
+        return None
+    indices = np.ascontiguousarray(indices, dtype=np.int64)
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    out = _new_bytes(None, size)  # not shared with anyone until it is written
+    written = lib.hvdc_frame_encode(head, len(head), _ptr(indices), _ptr(values),
+                                    indices.size, numel, coding, _bytes_data(out))
+    if written != size:
+        raise RuntimeError(f"native frame encode wrote {written} bytes, expected {size}")
+    return out

@@ -1,0 +1,213 @@
+"""The parameter server's native round (hvd_compress/native/round.py) against its numpy
+route (ps_server/rounds.py with the library disabled): the same union sums, top-k
+aggregates, residuals and aggregate frames, bit for bit."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+
+import hvd_compress.native as native
+from hvd_compress.native import round as native_round
+from hvd_compress.sparse_wire import SERVER_ID, IndexCoding, Kind, decode_frame, encode_frame
+from ps_server.rounds import Finished, Quorum, close_pushes, encode_aggregate, new_state
+from ps_server.service import ShardService
+from ps_server.store import ConflictingPush, ShardStore
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="native library unavailable")
+
+
+def frame(worker: int, round: int, idx, val, numel: int, dtype: str = "fp32",
+          tensor: str = "w") -> bytes:
+    return encode_frame(Kind.PUSH, tensor, 0, 1, round, worker, numel,
+                        np.asarray(idx, np.int64), np.asarray(val, np.float32), dtype)
+
+
+def pushes_of(frames: list[bytes]):
+    return [decode_frame(f) for f in frames]
+
+
+def both_routes(mode: str, numel: int, rounds: list[list[bytes]], residual=None):
+    """Close each round's pushes with the native route and the numpy one, from the same
+    state; the union sums, aggregates and residuals of both."""
+    results = []
+    for route in ("native", "numpy"):
+        state = new_state(mode, numel, 0, 0.0)
+        if residual is not None:
+            state.residual = residual.copy()
+        outcome = []
+        for frames in rounds:
+            pushes = pushes_of(frames)
+            k = max(f.count for f in pushes)
+            if route == "native":
+                union, agg = close_pushes(mode, state, pushes, k)
+            else:
+                with native.disabled():
+                    union, agg = close_pushes(mode, state, pushes, k)
+            outcome.append((union, agg, None if state.residual is None
+                            else state.residual.copy()))
+        results.append(outcome)
+    return results
+
+
+def assert_same_bits(a: np.ndarray, b: np.ndarray) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert a.tobytes() == b.tobytes()
+
+
+def assert_routes_agree(results) -> None:
+    for (u1, a1, r1), (u2, a2, r2) in zip(*results):
+        for x, y in (*zip(u1, u2), *zip(a1, a2)):
+            assert_same_bits(np.asarray(x), np.asarray(y))
+        if r1 is not None:
+            assert_same_bits(r1, r2)
+
+
+def random_round(rng, workers: int, numel: int, dtype: str = "fp32", spread: float = 1.0,
+                 round: int = 0):
+    frames = []
+    for w in range(workers):
+        k = int(rng.integers(0, numel // 3))
+        idx = np.sort(rng.choice(numel, k, replace=False))
+        frames.append(frame(w, round, idx, rng.standard_normal(k) * spread, numel, dtype))
+    return frames
+
+
+@pytest.mark.parametrize("mode", ["union", "topk"])
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+@pytest.mark.parametrize("workers", [1, 2, 5])
+def test_random_rounds_match_the_numpy_route(mode, dtype, workers):
+    rng = np.random.default_rng([workers, len(dtype), len(mode)])
+    numel = 40000  # several merge blocks
+    rounds = [random_round(rng, workers, numel, dtype) for _ in range(4)]
+    results = both_routes(mode, numel, rounds)
+    assert_routes_agree(results)
+    union, agg, _ = results[0][0]
+    assert union[0].size > 0 and agg[0].size > 0  # the rounds held pairs
+
+
+def test_topk_ties_take_the_lower_indices_on_both_routes():
+    numel = 20000
+    idx = np.arange(0, numel, 2)
+    sign = np.where(idx % 3 == 0, -1.0, 1.0)
+    # Worker 0 pushes idx[50:150], worker 1 idx[100:200], all of magnitude 1 (k = 100):
+    # idx[100:150] sum to magnitude 2, the other 100 tie at 1 for the 50 places left.
+    rounds = [[frame(0, 0, idx[50:150], sign[50:150], numel),
+               frame(1, 0, idx[100:200], sign[100:200], numel)]]
+    native_out, numpy_out = both_routes("topk", numel, rounds)
+    assert_routes_agree((native_out, numpy_out))
+    _, (top, values), residual = native_out[0]
+    np.testing.assert_array_equal(top, idx[50:150])  # the 50 lowest of the tied
+    np.testing.assert_array_equal(np.abs(values), [1.0] * 50 + [2.0] * 50)
+    assert not residual[top].any()
+    np.testing.assert_array_equal(np.abs(residual[idx[150:200]]), 1.0)
+    # Next round one pair of magnitude 1 at the end (k = 1): 51 entries tie, the lowest wins.
+    more = [[frame(0, 0, [numel - 1], [1.0], numel)]]
+    state_out = both_routes("topk", numel, more, residual=residual)
+    assert_routes_agree(state_out)
+    np.testing.assert_array_equal(state_out[0][0][1][0], [idx[150]])
+
+
+def test_topk_on_periodic_data_that_misleads_the_threshold_sample():
+    """The native top-k estimates its threshold from every (numel / 2**16)-th entry: here
+    those entries all exceed the rest, so its first threshold keeps too few candidates and
+    it must lower it; the result is still the numpy route's."""
+    numel, k = 1 << 18, 70000
+    residual = np.where(np.arange(numel) % 4 == 0, 3.0, -1.0).astype(np.float32)
+    residual[1::8] = 1.5
+    idx = np.sort(np.random.default_rng(1).choice(numel, k, replace=False))
+    results = both_routes("topk", numel, [[frame(0, 0, idx, np.full(k, 0.25), numel)]],
+                          residual=residual)
+    assert_routes_agree(results)
+    top = results[0][0][1][0]
+    assert top.size == k and np.isin(np.arange(0, numel, 4), top).all()  # all of 3 +- .25
+
+
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+def test_a_non_finite_sum_is_returned_whole_and_the_residual_kept(bad):
+    numel = 5000
+    rng = np.random.default_rng(3)
+    first = random_round(rng, 2, numel)
+    poisoned = [frame(0, 0, [7, 4000], [1.0, bad], numel), frame(1, 0, [7], [2.0], numel)]
+    results = both_routes("topk", numel, [first, poisoned])
+    assert_routes_agree(results)
+    _, (idx, val), residual = results[0][1]
+    np.testing.assert_array_equal(idx, np.arange(numel))
+    assert not np.isfinite(val[4000]) and val[7] == residual[7] + 3.0
+    assert_same_bits(residual, results[0][0][2])  # kept as after the first round
+
+
+def test_empty_pushes_give_an_empty_aggregate():
+    numel = 300
+    rounds = [[frame(0, 0, [], [], numel), frame(1, 0, [], [], numel)]]
+    for mode in ("union", "topk"):
+        results = both_routes(mode, numel, rounds)
+        assert_routes_agree(results)
+        assert results[0][0][1][0].size == 0
+
+
+def test_decreasing_indices_are_refused():
+    idx = np.array([9000, 5], np.int64)  # two merge blocks, out of order
+    with pytest.raises(ValueError, match="increasing"):
+        native_round.close_round([(idx, np.ones(2, np.float32))], 10000, None, 2)
+    with pytest.raises(ValueError, match="strictly increasing"):  # no frame holds them
+        frame(0, 0, [3, 3], [1.0, 1.0], 10)
+
+
+@pytest.mark.parametrize("count, coding", [(3, IndexCoding.VARINT), (2000, IndexCoding.BITMAP),
+                                           (9800, IndexCoding.DENSE)])
+def test_the_aggregate_frame_is_encode_frames_bytes(count, coding):
+    numel = 10000
+    rng = np.random.default_rng(count)
+    idx = np.sort(rng.choice(numel, count, replace=False)).astype(np.int64)
+    val = rng.standard_normal(count).astype(np.float32)
+    finished = Finished(12, idx, val)
+    for dtype in ("fp32", "fp16"):
+        expected = encode_frame(Kind.AGGREGATE, "layer.w", 1, 3, 12, SERVER_ID - 1, numel,
+                                idx, val, dtype)
+        got = encode_aggregate("layer.w", 1, 3, finished, SERVER_ID - 1, numel,
+                               decode_frame(expected).dtype)
+        assert got == expected
+        assert decode_frame(got).coding is coding
+
+
+def run_store(mode: str, quorum: Quorum | None, rounds: int, seed: int) -> list[bytes]:
+    """Rounds of 3 workers through a store; with a quorum, worker 2 pushes only every
+    other round (the others close by quorum without it). The pulled aggregates."""
+    clock = [0.0]
+    store = ShardStore(3, 0, 1, mode, deadline=100.0, clock=lambda: clock[0], quorum=quorum)
+    service = ShardService(store)
+    rng = np.random.default_rng(seed)
+    numel, answers = 30000, []
+    for r in range(rounds):
+        frames = random_round(rng, 3, numel, spread=10.0 ** int(rng.integers(-3, 3)), round=r)
+        for w in range(3):
+            if quorum is None or w < 2 or r % 2 == 0:
+                service.push(frames[w], "t")
+        clock[0] += 1.0  # past the grace
+        answers.append(service.pull(encode_frame(Kind.PULL, "w", 0, 1, r, 0, numel), "t", 1.0))
+    return answers
+
+
+@pytest.mark.parametrize("mode", ["union", "topk"])
+@pytest.mark.parametrize("partial", [False, True])
+def test_store_rounds_answer_the_same_bytes_on_both_routes(mode, partial):
+    quorum = Quorum(3, 2, grace=0.5) if partial else None
+    native_answers = run_store(mode, quorum, 6, seed=5)
+    with native.disabled():
+        numpy_answers = run_store(mode, quorum, 6, seed=5)
+    assert native_answers == numpy_answers
+    if partial:  # rounds without worker 2 say so in the frame
+        assert decode_frame(native_answers[1]).worker == SERVER_ID - 1
+        assert decode_frame(native_answers[0]).worker == SERVER_ID
+
+
+def test_a_second_content_for_the_same_worker_is_refused_on_both_routes():
+    for disabled in (False, True):
+        service = ShardService(ShardStore(2, 0, 1, "topk"))
+        with native.disabled() if disabled else contextlib.nullcontext():
+            service.push(frame(0, 0, [1], [1.0], 100), "a")
+            with pytest.raises(ConflictingPush):
+                service.push(frame(0, 0, [1], [2.0], 100), "b")
