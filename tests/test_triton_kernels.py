@@ -279,3 +279,29 @@ def test_missing_triton_is_said_once(monkeypatch: pytest.MonkeyPatch) -> None:
     with gpu.disabled():
         monkeypatch.setattr(gpu, "_state", {"reason": None, "checked": True, "warned": False})
         assert not gpu.active(cuda)
+
+
+def test_bench_table_runs_every_row(device: torch.device) -> None:
+    """``bench kernels --device cuda``'s Triton table (here on the interpreter, tiny sizes:
+    the code, not the figures): a row per codec with both routes timed, outputs that agree
+    between the routes (recall 1 for top-k), and GRACE said to be missing where it is."""
+    from hvd_compress.bench import kernels
+
+    n = 1024
+    rows = kernels.run_triton([n], 1, device.type)
+    assert [r["scheme"] for r in rows] == list(kernels.TRITON_CODECS)
+    for row in rows:
+        assert row["route"] == "triton" and row["seconds"] > 0 and row["torch_seconds"] > 0
+        assert row["speedup_vs_torch"] == pytest.approx(row["torch_seconds"] / row["seconds"])
+    assert rows[-1]["recall"] == 1.0
+    x = gradient(n, seed=6).to(device)
+    residual = (gradient(n, seed=7) / 16).to(device)
+    for spec in ("onebit+ef", "fp16+ef", "randomk:ratio=0.01", "bf16"):
+        kernel = kernels.make_triton_kernel(spec, x, residual)
+        got, want = kernel.triton(), kernel.torch()
+        got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+        for a, b in zip(got, want):  # type: ignore[arg-type]
+            assert torch.equal(a, b), spec
+    if kernels.grace_status() is not None:
+        assert "GRACE not timed" in kernels.triton_title(1, device.type)
+        assert all(r["grace_seconds"] is None for r in rows)

@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     kern.add_argument("--device", choices=kernels.DEVICES, default="cpu",
                       help="where the codecs run (default cpu); cuda times them with CUDA "
                            "events against a device-to-device copy, and runs the codec "
-                           "table only (no TensorFlow or selection table)")
+                           "table and the Triton kernels' (no TensorFlow or selection table)")
     kern.add_argument("--markdown", type=Path,
                       help="also write the tables as Markdown to this file")
 
@@ -347,7 +347,8 @@ def _cluster(args: argparse.Namespace) -> int:
 
 def _kernels(args: argparse.Namespace) -> None:
     """Three tables: codec throughput against a copy, the TensorFlow path's overhead, and
-    DGC's threshold selection against torch.topk (with ``--device cuda``, the first only).
+    DGC's threshold selection against torch.topk (with ``--device cuda``: the first, and
+    the Triton kernels against torch ops, :func:`kernels.run_triton`).
     The JSON holds every row, each with its table's name under ``benchmark``; the Markdown
     file (``--markdown``) each table under its title, with the target lines."""
     try:
@@ -356,6 +357,10 @@ def _kernels(args: argparse.Namespace) -> None:
         raise SystemExit(f"kernels: {err}") from None
     tables = [("codecs", kernels.title(args.repeat, args.device), kernels.COLUMNS,
                kernels.TARGETS, lambda: kernels.run(args.sizes, args.repeat, args.device))]
+    if args.device == "cuda":
+        tables.append(("triton", kernels.triton_title(args.repeat), kernels.TRITON_COLUMNS,
+                       kernels.TRITON_TARGETS,
+                       lambda: kernels.run_triton(args.sizes, args.repeat)))
     if args.device == "cpu" and not args.no_tf:
         from hvd_compress.bench import kernels_tf  # imports TensorFlow
 

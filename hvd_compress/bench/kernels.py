@@ -39,7 +39,7 @@ import torch
 
 from hvd_compress import Compression
 from hvd_compress.bench import SCHEMES
-from hvd_compress.bench.report import Column, Row, Target, field
+from hvd_compress.bench.report import Column, Row, Target, field, optional_field
 from hvd_compress.comm.ops import AllReduce
 from hvd_compress.schemes.base import (
     Exchange,
@@ -236,3 +236,235 @@ def run(sizes: Sequence[int], repeat: int, device: str = "cpu",
             })
             del kernel
     return rows
+
+
+# --- The Triton kernels on CUDA (``--device cuda``: the table ``triton``) ------------------
+
+TRITON_CODECS = ("onebit", "qsgd:bits=4", "terngrad", "fp16", "bf16", "onebit+ef",
+                 "qsgd:bits=4+ef", "fp16+ef", "randomk:ratio=0.01", "topk:ratio=0.001")
+"""The rows of the Triton table: the packed codecs' encode+decode (``+ef``: with the
+residual fused, against torch's ``x + e``, encode, decode and ``x - decoded``), random-k's
+gather and top-k's selection (against ``torch.topk`` of the whole tensor, with recall)."""
+
+GRACE_CODECS = {"onebit": ("onebit", "OneBitCompressor", ()),
+                "qsgd:bits=4": ("qsgd", "QSGDCompressor", (7,)),
+                "terngrad": ("terngrad", "TernGradCompressor", ()),
+                "fp16": ("fp16", "FP16Compressor", ()),
+                "randomk:ratio=0.01": ("randomk", "RandomKCompressor", (0.01,)),
+                "topk:ratio=0.001": ("topk", "TopKCompressor", (0.001,))}
+"""Our codec -> GRACE's torch compressor (module under ``grace_dl.torch.compressor``,
+class, arguments), timed as ``decompress(*compress(x, name))`` where GRACE imports."""
+
+
+def grace_status() -> str | None:
+    """Why GRACE's compressors cannot be timed here (``None`` if they can)."""
+    try:
+        import grace_dl.torch  # noqa: F401
+    except Exception as err:
+        return (f"GRACE not timed: grace_dl does not import ({type(err).__name__}: {err}); it "
+                "is not on PyPI (pip finds no grace-dl), and the GPU machine is offline")
+    return None
+
+
+def _grace(spec: str) -> Callable[[torch.Tensor], object] | None:
+    if spec not in GRACE_CODECS or grace_status() is not None:
+        return None
+    import importlib
+
+    module, cls, args = GRACE_CODECS[spec]
+    compressor = getattr(importlib.import_module(f"grace_dl.torch.compressor.{module}"),
+                         cls)(*args)
+    return lambda x: compressor.decompress(*compressor.compress(x, "bench"))
+
+
+@dataclass(frozen=True)
+class TritonKernel:
+    """One row of the Triton table: ``triton()`` and its torch-ops counterpart ``torch()``
+    on the same tensor; ``grace()`` where GRACE has the codec and imports."""
+
+    spec: str
+    op: str
+    triton: Callable[[], object]
+    torch: Callable[[], object]
+    grace: Callable[[], object] | None = None
+
+
+def make_triton_kernel(spec: str, x: torch.Tensor, residual: torch.Tensor) -> TritonKernel:
+    """The Triton and torch-ops operations of ``spec`` (one of :data:`TRITON_CODECS`) on
+    the flat float32 ``x`` (``residual``: the error-feedback memory of the ``+ef`` rows)."""
+    from hvd_compress import native
+    from hvd_compress import triton as gpu
+    from hvd_compress.schemes.topk import largest, sparse_count
+
+    n, device = x.numel(), x.device
+    base, fused = spec.removesuffix("+ef"), spec.endswith("+ef")
+    grace_fn = _grace(spec)
+    grace = (lambda: grace_fn(x)) if grace_fn is not None else None
+
+    def torch_route(fn: Callable[[], object]) -> Callable[[], object]:
+        def run() -> object:
+            with native.disabled(), gpu.disabled():
+                return fn()
+        return run
+
+    if base.startswith("topk"):
+        k = sparse_count(0.001, n)
+        gen = torch.Generator().manual_seed(3)
+        mag = x.abs()
+        return TritonKernel(spec, f"top-{k} of |x|: sampled threshold, compaction, topk of "
+                            "the candidates", lambda: largest(mag, k, gen),
+                            lambda: mag.topk(k, sorted=False).indices, grace)
+    if base.startswith("randomk"):
+        k = sparse_count(0.01, n)
+        idx = torch.randperm(n, generator=torch.Generator().manual_seed(4))[:k].to(device)
+        sparse = gpu.kernels("sparse")
+        return TritonKernel(spec, f"x[indices] * (n / k), k = {k}",
+                            lambda: sparse.gather(x, idx, n / k),
+                            lambda: x[idx] * (n / k), grace)
+    if base in ("fp16", "bf16"):
+        dtype = torch.float16 if base == "fp16" else torch.bfloat16
+        cast = gpu.kernels("cast")
+        if fused:
+            def triton_fn() -> object:
+                payload, new = cast.encode(x, dtype, residual)
+                return payload.view(dtype).float(), new
+
+            def torch_fn() -> object:
+                y = x + residual
+                back = y.to(dtype).float()
+                return back, y - back
+            return TritonKernel(spec, f"x + e -> {base}, residual; back to float32",
+                                triton_fn, torch_fn)
+        return TritonKernel(spec, f"x -> {base} -> float32",
+                            lambda: cast.encode(x, dtype)[0].view(dtype).float(),
+                            lambda: x.to(dtype).float(), grace)
+    scheme = Compression.parse(base)
+    assert isinstance(scheme, PackedScheme)
+    options = {"bits": getattr(scheme, "bits", 1), "l2": getattr(scheme, "norm", "") == "l2",
+               "clip": getattr(scheme, "clip", None)}
+    codec, bucket = scheme.name, scheme.bucket_size
+    packed = gpu.kernels("packed")
+    seed = torch.zeros(1, dtype=torch.int64, device=device)
+    gen = torch.Generator(device=device).manual_seed(1)
+
+    def decode(payload: torch.Tensor) -> torch.Tensor:
+        return packed.decode(codec, payload, n, bucket, options["bits"])
+    if fused:
+        def triton_fn() -> object:
+            payload, new = packed.encode(codec, x, bucket, seed=seed, residual=residual,
+                                         **options)
+            return decode(payload), new
+
+        def torch_fn() -> object:
+            y = x + residual
+            back = scheme.decode(scheme.encode(y, gen), n)
+            return back, y - back
+        return TritonKernel(spec, "encode(x + e) with the residual, decode", triton_fn,
+                            torch_route(torch_fn))
+    return TritonKernel(spec, "decode(encode(x))",
+                        lambda: decode(packed.encode(codec, x, bucket, seed=seed, **options)[0]),
+                        torch_route(lambda: scheme.decode(scheme.encode(x, gen), n)), grace)
+
+
+def time_interleaved(fns: dict[str, Callable[[], object]], x: torch.Tensor,
+                     repeat: int) -> dict[str, float]:
+    """Median seconds of each of ``fns`` and of ``copy`` (``dst.copy_(x)``), timed in turn
+    (copy, then each) ``repeat`` times after the warm-ups of :func:`time_against_copy`."""
+    dst = torch.empty_like(x)
+    fns = {"copy": lambda: dst.copy_(x), **fns}
+    cuda = x.device.type == "cuda"
+    seconds = _cuda_seconds if cuda else _seconds
+    for _ in range(CUDA_WARMUP if cuda else 1):
+        for fn in fns.values():
+            fn()
+    if cuda:
+        torch.cuda.synchronize(x.device)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            times[name].append(seconds(fn))
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def _recall(chosen: torch.Tensor, exact: torch.Tensor, n: int) -> float:
+    marked = torch.zeros(n, dtype=torch.bool, device=exact.device)
+    marked[exact] = True
+    return float(marked[chosen].sum()) / exact.numel()
+
+
+def run_triton(sizes: Sequence[int], repeat: int, device: str = "cuda",
+               codecs: Sequence[str] = TRITON_CODECS) -> list[Row]:
+    """One row per (size, codec): the Triton kernels against the torch ops of the same
+    operation (:func:`make_triton_kernel`), a device copy and GRACE's compressor where it
+    imports, timed in turn. On the CPU (Triton's interpreter) only to check this code."""
+    from hvd_compress import triton as gpu
+
+    where = torch.device(device)
+    rows = []
+    for numel in sizes:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(numel, generator=gen).to(where)
+        residual = (torch.randn(numel, generator=gen) / 16).to(where)
+        for spec in codecs:
+            kernel = make_triton_kernel(spec, x, residual)
+            fns = {"triton": kernel.triton, "torch": kernel.torch}
+            if kernel.grace is not None:
+                fns["grace"] = kernel.grace
+            t = time_interleaved(fns, x, repeat)
+            rate, copy_rate = 4 * numel / t["triton"], 4 * numel / t["copy"]
+            row: Row = {
+                "device": device, "device_name": device_name(device), "scheme": spec,
+                "numel": numel, "op": kernel.op,
+                "route": "triton" if gpu.available() else f"torch ops ({gpu.reason()})",
+                "seconds": t["triton"], "bytes_per_second": rate,
+                "copy_seconds": t["copy"], "copy_bytes_per_second": copy_rate,
+                "ratio_to_copy": rate / copy_rate, "torch_seconds": t["torch"],
+                "speedup_vs_torch": t["torch"] / t["triton"],
+                "grace_seconds": t.get("grace"),
+                "speedup_vs_grace": t["grace"] / t["triton"] if "grace" in t else None,
+                "recall": None, "repeat": repeat,
+            }
+            if spec.startswith("topk"):
+                exact = kernel.torch()
+                assert isinstance(exact, torch.Tensor)
+                chosen = kernel.triton()
+                assert isinstance(chosen, torch.Tensor)
+                row["recall"] = _recall(chosen, exact, numel)
+            rows.append(row)
+            del kernel
+    return rows
+
+
+def triton_title(repeat: int, device: str = "cuda") -> str:
+    grace = grace_status()
+    return (f"Triton kernels on {device_name(device)} against the torch ops of the same "
+            f"operation (float32 input bytes/s), median of {repeat} timed with CUDA events "
+            f"after {CUDA_WARMUP} warm-ups (the first compiles), interleaved with a "
+            f"device-to-device copy; top-k: against torch.topk of the whole tensor"
+            + (f". {grace}" if grace else ""))
+
+
+TRITON_COLUMNS = (
+    Column("scheme", field("scheme")),
+    Column("elements", field("numel", "{:,}")),
+    Column("route", field("route")),
+    Column("timed", field("op")),
+    Column("seconds", field("seconds", "{:.4g}")),
+    Column("ratio to copy", field("ratio_to_copy", "{:.3f}")),
+    Column("torch ops s", field("torch_seconds", "{:.4g}")),
+    Column("vs torch ops", field("speedup_vs_torch", "{:.2f}x")),
+    Column("vs GRACE", optional_field("speedup_vs_grace", "{:.1f}x")),
+    Column("recall", optional_field("recall", "{:.4f}")),
+)
+
+TRITON_TARGETS = (
+    *(Target({"scheme": spec, "numel": 64 << 20, "route": "triton"}, "ratio_to_copy", ">=", 0.5)
+      for spec in ("onebit", "qsgd:bits=4", "fp16")),
+    Target({"scheme": "topk:ratio=0.001", "numel": 64 << 20}, "speedup_vs_torch", ">=", 1.0),
+    Target({"scheme": "topk:ratio=0.001", "numel": 64 << 20}, "recall", ">=", 0.999),
+    *(Target({"scheme": spec, "numel": 64 << 20}, "speedup_vs_grace", ">=", 10.0)
+      for spec in GRACE_CODECS),
+)
+"""The issue's targets on CUDA (64 M elements): 1-bit, QSGD 4-bit and FP16 at half the
+copy's throughput or more; top-k faster than torch.topk with recall 0.999; every codec 10x
+GRACE's (rows without a GRACE time are reported as not measured)."""
