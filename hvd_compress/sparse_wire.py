@@ -10,7 +10,9 @@ or an MPI message)::
      5      1    kind: 1 push, 2 pull request, 3 aggregate
      6      1    index coding: 0 delta+varint, 1 bitmap, 2 dense
      7      1    value dtype: 0 float32, 1 float16
-     8      4    worker id (u32; SERVER_ID in aggregates)
+     8      4    worker id (u32); in aggregates SERVER_ID, or SERVER_ID - m for a round
+                 that closed by quorum without m workers (1 <= m < 2**16, so the field
+                 stays far above any worker id: ps_protocol.quorum_sender, missing_of)
     12      8    round (u64)
     20      4    shard index (u32)
     24      4    shard count (u32)
