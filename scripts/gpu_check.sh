@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check, for a bare CUDA machine without Horovod and without network (Python 3.12,
-# torch with CUDA, nvcc and a C++ compiler), within 8 minutes. Usage:
+# torch with CUDA, Triton, nvcc and a C++ compiler), within 9 minutes. Usage:
 #   scripts/gpu_check.sh OUTDIR
 # Steps (each one's output in OUTDIR/run.log, its exit status and seconds in the summary):
 #  1. wheels   install the wheels carried in .gpu-wheels/ (scripts/gpu_wheels.sh: setuptools
@@ -9,17 +9,21 @@
 #              CPU kernels, -march=native, where a C++ compiler is); should pip fail, the tree
 #              goes on PYTHONPATH and `python -m hvd_compress.native build` compiles them;
 #  3. pytest   the tests marked gpu, in every tests/test_*.py that uses the marker
-#              (OUTDIR/pytest.xml);
-#  4. kernels  every codec's encode+decode on 64 M float32 elements against a
-#              device-to-device copy, CUDA events, median of 7 after 3 warm-ups
+#              (OUTDIR/pytest.xml): tests/test_triton_kernels.py runs the compiled Triton
+#              kernels on CUDA against the CPU codecs, bit for bit;
+#  4. kernels  every codec's encode+decode on 1 M, 16 M and 64 M float32 elements against a
+#              device-to-device copy, CUDA events, median of 5 after 3 warm-ups, and the
+#              Triton table: each Triton kernel against the torch ops of the same operation
+#              (top-k 0.1% against torch.topk, with recall; GRACE where it imports)
 #              (python -m hvd_compress.bench kernels --device cuda: OUTDIR/kernels.json and
-#              kernels.md); fails if anything imported horovod;
-#  5. summary  OUTDIR/summary.json and summary.md: the machine, each step, the test counts
-#              and the kernels table.
+#              kernels.md); fails if anything imported horovod, or (on CUDA) if the Triton
+#              table is missing or ran the torch fallback;
+#  5. summary  OUTDIR/summary.json and summary.md: the machine (Triton's version too), each
+#              step, the test counts and the kernels tables.
 # Environment: PYTHON (default python3); GPU_CHECK_ALLOW_CPU=1 runs the same steps on the CPU
 # where CUDA is not available (smaller sizes; the gpu tests then skip, saying why), to check
 # this script; GPU_CHECK_SIZES and GPU_CHECK_REPEAT override the benchmark's sizes and
-# repeats; GPU_CHECK_BUDGET the seconds for all steps (default 470).
+# repeats; GPU_CHECK_BUDGET the seconds for all steps (default 530).
 # Exit status: 0 every step passed (and on CUDA some gpu tests ran), 1 a step failed (the
 # summary names it), 2 no CUDA here (and GPU_CHECK_ALLOW_CPU unset), 64 no OUTDIR given.
 # On the device machine: scripts/gpu_wheels.sh here first, then run it with
@@ -38,7 +42,7 @@ LOG="$OUTDIR/run.log"
 WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
 STEPS="$WORK/steps.tsv"
-DEADLINE=$((SECONDS + ${GPU_CHECK_BUDGET:-470}))
+DEADLINE=$((SECONDS + ${GPU_CHECK_BUDGET:-530}))
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 : >"$LOG"
 : >"$STEPS"
@@ -66,7 +70,7 @@ step() {
 if [[ "$("$PYTHON" -c 'import torch; print(int(torch.cuda.is_available()))' 2>>"$LOG")" == 1 ]]
 then
     DEVICE=cuda
-    BENCH=(--device cuda --sizes "${GPU_CHECK_SIZES:-64M}" --repeat "${GPU_CHECK_REPEAT:-7}")
+    BENCH=(--device cuda --sizes "${GPU_CHECK_SIZES:-1M,16M,64M}" --repeat "${GPU_CHECK_REPEAT:-5}")
 elif [[ "${GPU_CHECK_ALLOW_CPU:-0}" == 1 ]]; then
     DEVICE=cpu
     echo "[gpu_check] no CUDA here: GPU_CHECK_ALLOW_CPU=1, running the steps on the CPU" \
@@ -99,14 +103,23 @@ mapfile -t GPU_TESTS < <(grep -lE 'mark\.gpu\b' tests/test_*.py)
 step pytest 300 "$PYTHON" -m pytest -m gpu -rs -p no:cacheprovider \
     --junitxml "$OUTDIR/pytest.xml" "${GPU_TESTS[@]}"
 
-# The benchmark's own main, then a check that nothing it ran imported horovod.
-step kernels 150 "$PYTHON" -c '
-import sys
+# The benchmark's own main, then a check that nothing it ran imported horovod and (on
+# CUDA) that the Triton table ran the Triton kernels.
+step kernels 200 "$PYTHON" -c '
+import json, sys
 from hvd_compress.bench.cli import main
 status = main(sys.argv[1:])
 if "horovod" in sys.modules:
     print("gpu_check: the kernels benchmark imported horovod", file=sys.stderr)
     status = status or 1
+if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1] == "cuda":
+    rows = json.loads(open(sys.argv[sys.argv.index("--json") + 1]).read())
+    routes = {r["route"] for r in rows if r["benchmark"] == "triton"}
+    if routes != {"triton"}:
+        ran = ", ".join(sorted(routes)) or "no rows"
+        print(f"gpu_check: the Triton table ran {ran}, not the Triton kernels alone",
+              file=sys.stderr)
+        status = status or 1
 sys.exit(status)
 ' kernels "${BENCH[@]}" --json "$OUTDIR/kernels.json" --markdown "$OUTDIR/kernels.md"
 
@@ -154,6 +167,11 @@ try:
 except Exception as err:  # the summary is written whatever failed
     machine["native"] = {"error": repr(err)}
 machine["horovod_installed"] = importlib.util.find_spec("horovod") is not None
+try:
+    import triton
+    machine["triton"] = triton.__version__
+except Exception as err:  # the summary is written whatever failed
+    machine["triton"] = f"not importable: {err!r}"
 
 steps = [dict(zip(("step", "exit", "seconds"), line.split("\t")))
          for line in steps_file.read_text().splitlines()]

@@ -2,7 +2,7 @@
 # Download the wheels that scripts/gpu_check.sh installs on a CUDA machine which reaches no
 # package index, into .gpu-wheels/ (ignored by git: carry it with the working tree).
 #
-# The machine (Python 3.12) already has torch, numpy, pytest, pytest-timeout, grpcio,
+# The machine (Python 3.12) already has torch, triton, numpy, pytest, pytest-timeout, grpcio,
 # protobuf, prometheus-client, psutil and mpi4py. What it may lack is a setuptools new
 # enough for this project's pyproject.toml (77 or later: the license is an SPDX string),
 # which `pip install --no-build-isolation -e .` builds with. Only pure-Python wheels for
