@@ -111,7 +111,7 @@ def test_topk_ties_take_the_lower_indices_on_both_routes():
 
 
 def test_topk_on_periodic_data_that_misleads_the_threshold_sample():
-    """The native top-k estimates its threshold from every (numel / 2**16)-th entry: here
+    """The native top-k estimates its threshold from every (numel / 2**12)-th entry: here
     those entries all exceed the rest, so its first threshold keeps too few candidates and
     it must lower it; the result is still the numpy route's."""
     numel, k = 1 << 18, 70000
@@ -123,6 +123,17 @@ def test_topk_on_periodic_data_that_misleads_the_threshold_sample():
     assert_routes_agree(results)
     top = results[0][0][1][0]
     assert top.size == k and np.isin(np.arange(0, numel, 4), top).all()  # all of 3 +- .25
+
+
+def test_topk_with_fewer_non_zero_entries_than_k_takes_the_lowest_zeros():
+    numel, k = 100_000, 1000
+    idx = np.arange(50_000, 50_000 + k)
+    val = np.zeros(k)
+    val[::100] = 1.0  # 10 non-zero sums
+    results = both_routes("topk", numel, [[frame(0, 0, idx, val, numel)]])
+    assert_routes_agree(results)
+    top = results[0][0][1][0]
+    np.testing.assert_array_equal(top, np.union1d(np.arange(k - 10), idx[::100]))
 
 
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])

@@ -104,7 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--density", type=float, default=0.01,
                         help="fraction of the elements each worker pushes (default 0.01)")
     server.add_argument("--rounds", type=_positive_int, default=20,
-                        help="rounds timed per configuration (default 20)")
+                        help="rounds timed per configuration (default 20; fewer above 8 "
+                        "workers: max(2, rounds * 8 // workers))")
+    server.add_argument("--modes", type=_comma_list(str), default=["union"],
+                        help="server modes side by side, comma-separated: union, topk "
+                        "(default union)")
+    server.add_argument("--transports", type=_comma_list(str), default=list(ps.TRANSPORTS),
+                        help="comma-separated subset of in-process,grpc,mpi (default all)")
 
     links = commands.add_parser("link", help="step time on emulated hosts with throttled "
                                 "links (root; network namespaces and tc)")
@@ -421,7 +427,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         if not 0 < args.density <= 1:
             raise SystemExit(f"--density must be in (0, 1], got {args.density}")
-        rows = ps.run(args.workers, args.shards, args.numel, args.density, args.rounds)
-        publish(ps.title(args.numel, args.density, args.rounds), rows, ps.COLUMNS, ps.TARGETS,
-                args.json)
+        rows = ps.run(args.workers, args.shards, args.numel, args.density, args.rounds,
+                      args.modes, args.transports)
+        publish(ps.title(args.numel, args.density, args.rounds, args.modes), rows, ps.COLUMNS,
+                ps.TARGETS, args.json)
     return 0

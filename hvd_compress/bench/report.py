@@ -11,7 +11,8 @@ from typing import Any
 
 Row = dict[str, Any]
 
-_OPS: dict[str, Callable[[float, float], bool]] = {">=": operator.ge, "==": operator.eq}
+_OPS: dict[str, Callable[[float, float], bool]] = {">=": operator.ge, "<=": operator.le,
+                                                "==": operator.eq}
 
 
 @dataclass(frozen=True)

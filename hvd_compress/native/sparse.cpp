@@ -105,9 +105,9 @@ extern "C" {
 // left as it was (the caller returns s whole).
 //
 // One pass over s keeps the candidates, the entries whose |s| reaches a threshold t
-// estimated from a fixed sample (every numel / 2**16-th entry), and checks that s is
+// estimated from a fixed sample (every numel / 2**13-th entry), and checks that s is
 // finite; the k-th largest |s| among them is exact when at least k reach t (else the pass
-// runs again with t = 0), and the winners are written in index order. The sample only
+// runs again with a lower t, down to 0), and the winners are written in index order. The sample only
 // decides how many candidates there are, never which entries win.
 int64_t hvdc_topk(float* residual, int64_t numel, const int64_t* u_idx, const float* u_val,
                   int64_t n, int64_t k, int64_t* out_idx, float* out_val) {
@@ -117,7 +117,7 @@ int64_t hvdc_topk(float* residual, int64_t numel, const int64_t* u_idx, const fl
         residual[u_idx[j]] = old[j] + u_val[j];
     }
     if (k > numel) k = numel;
-    const int64_t stride = numel > (1 << 16) ? numel >> 16 : 1;
+    const int64_t stride = numel > (1 << 13) ? numel >> 13 : 1;
     std::vector<uint32_t> sample;  // sorted in decreasing order
     if (k > 0 && k < numel) {
         sample.reserve(size_t(numel / stride + 1));
@@ -127,7 +127,9 @@ int64_t hvdc_topk(float* residual, int64_t numel, const int64_t* u_idx, const fl
     // The sample's entry of rank k / stride with a margin; 4 times further at each miss.
     const double expected = double(k) * double(sample.size()) / double(numel);
     size_t rank = size_t(expected + 4.0 * std::sqrt(expected) + 16.0);
-    uint32_t t = rank < sample.size() ? sample[rank] : 0;
+    // The lowest threshold but one keeps every non-zero entry (magnitude >= 1); 0 keeps all.
+    auto threshold = [&]() { return rank < sample.size() ? std::max(sample[rank], 1u) : 1u; };
+    uint32_t t = threshold();
     std::vector<int64_t> cand;
     uint32_t worst = 0;
     for (;;) {
@@ -166,8 +168,10 @@ int64_t hvdc_topk(float* residual, int64_t numel, const int64_t* u_idx, const fl
             return -2;
         }
         if (int64_t(cand.size()) >= k || t == 0) break;
-        rank *= 4;  // the sample missed (structured data): a lower threshold
-        t = rank < sample.size() ? sample[rank] : 0;
+        // The sample missed (structured data, or few non-zero entries): a lower threshold,
+        // down to 1 (every non-zero entry), then 0.
+        rank *= 4;
+        t = t == 1 ? 0 : std::min(threshold(), t - 1);
     }
     if (k <= 0) return 0;
     std::vector<uint32_t> mags(cand.size());
