@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -305,3 +306,72 @@ def test_bench_table_runs_every_row(device: torch.device) -> None:
     if kernels.grace_status() is not None:
         assert "GRACE not timed" in kernels.triton_title(1, device.type)
         assert all(r["grace_seconds"] is None for r in rows)
+
+
+COMPILE_FOR_HOPPER = r'''
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from hvd_compress.triton import cast, packed, sparse
+
+F, U8 = "*fp32", "*u8"
+STATS = dict(g_ptr=F, e_ptr=F, seed_ptr="*i64", clip_ptr="*fp64", scale_ptr=F, bound_ptr=F,
+             key_ptr="*i32", n="i32", bucket="i32", levels="i32")
+PACK = dict(g_ptr=F, e_ptr=F, r_ptr=F, scale_ptr=F, bound_ptr=F, key_ptr="*i32", out_ptr=U8,
+            n="i32", nbytes="i32", plane_bytes="i32", bucket="i32", levels="i32")
+DECODE = dict(in_ptr=U8, scale_ptr=F, out_ptr=F, n="i32", plane_bytes="i32", bucket="i32",
+              levels="i32")
+CAST = dict(g_ptr=F, e_ptr=F, h_ptr="*i16", r_ptr=F, n="i32")
+KERNELS = [
+    *((packed._stats, STATS, dict(CODEC=c, L2=l2, CLIP=clip, HAS_RES=r, BLOCK=1024, CHUNKS=2))
+      for c, l2, clip, r in [(0, 0, 0, 1), (1, 1, 0, 0), (1, 0, 0, 1), (2, 0, 1, 1)]),
+    *((packed._pack, PACK, dict(CODEC=c, BITS=b, GROUP=g, PLANES=p, HAS_RES=r, BLOCK=256))
+      for c, b, g, p, r in [(0, 1, 8, 0, 1), (1, 4, 2, 0, 1), (1, 3, 8, 1, 0), (2, 0, 5, 0, 1)]),
+    *((packed._decode, DECODE, dict(CODEC=c, BITS=b, GROUP=g, PLANES=p, BLOCK=1024))
+      for c, b, g, p in [(0, 1, 8, 0), (1, 5, 8, 1), (2, 0, 5, 0)]),
+    *((cast._cast, CAST, dict(BF16=bf, HAS_RES=1, BLOCK=1024)) for bf in (0, 1)),
+    (sparse._count, dict(m_ptr=F, thr_ptr=F, counts_ptr="*i64", n="i32"), dict(BLOCK=1024)),
+    (sparse._compact, dict(m_ptr=F, thr_ptr=F, offsets_ptr="*i64", out_ptr="*i64", n="i32"),
+     dict(BLOCK=1024)),
+    (sparse._gather, dict(x_ptr=F, i_ptr="*i64", out_ptr=F, k="i32", factor="fp32"),
+     dict(SCALE=1, BLOCK=1024)),
+    (sparse._add_pairs, dict(total_ptr=F, i_ptr="*i64", v_ptr="*fp16", k="i32"),
+     dict(BLOCK=1024)),
+]
+found = []
+for fn, types, consts in KERNELS:
+    names = fn.arg_names
+    signature = {n: "constexpr" if n in consts else types[n] for n in names}
+    source = ASTSource(fn=fn, signature=signature,
+                       constexprs={(names.index(k),): v for k, v in consts.items()})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options={"enable_fp_fusion": False})
+    ops = set(re.findall(r"\b(?:fma|div|sqrt|rcp|ex2|lg2)\.[a-z0-9.]+", compiled.asm["ptx"]))
+    found.append({"kernel": fn.__name__, "cubin": len(compiled.asm["cubin"]), "ops": sorted(ops)})
+json.dump(found, sys.stdout)
+'''
+
+
+@pytest.mark.multiprocess
+def test_kernels_compile_for_hopper_without_contractions() -> None:
+    """The compiled route, without a GPU: every kernel family compiles through Triton's
+    own ptxas for sm_90 (the H200), and its PTX has no fused multiply-add and no
+    approximate division, reciprocal or square root (what bit-exactness needs)."""
+    import json
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", COMPILE_FOR_HOPPER], capture_output=True,
+                          text=True, timeout=600, env=env, cwd=Path(__file__).parent.parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout)
+    assert {k["kernel"] for k in found} == {"_stats", "_pack", "_decode", "_cast", "_count",
+                                            "_compact", "_gather", "_add_pairs"}
+    for kernel in found:
+        assert kernel["cubin"] > 0, kernel
+        for op in kernel["ops"]:
+            assert not op.startswith(("fma", "rcp", "ex2", "lg2")) and "approx" not in op \
+                and "full" not in op, kernel
+    divisions = {op for k in found for op in k["ops"] if op.startswith(("div.", "sqrt."))}
+    assert {"div.rn.f32", "div.rn.f64", "sqrt.rn.f64"} <= divisions

@@ -88,7 +88,7 @@ def _stats(g_ptr, e_ptr, seed_ptr, clip_ptr, scale_ptr, bound_ptr, key_ptr, n, b
                     acc += tl.where(m, d * d, 0.0)
                 var = tl.sum(acc, axis=0) / nf
                 bound = (tl.load(clip_ptr) * tl.sqrt(var)).to(tl.float32)
-        if CODEC == 1 and L2:
+        if L2:  # QSGD's 2-norm
             acc = tl.zeros([BLOCK], dtype=tl.float64)
             for off in range(0, CHUNKS * BLOCK, BLOCK):
                 m = off + lane < length
@@ -268,7 +268,7 @@ def encode(codec: str, x: torch.Tensor, bucket_size: int, *, bits: int = 1, l2: 
     levels = (1 << (bits - 1)) - 1 if kind == QSGD else 1
     block = min(STATS_BLOCK, triton.next_power_of_2(bucket_size))
     _stats[(buckets,)](g, e, seed, clip_t, scales, bound, keys, n, bucket_size, levels,
-                       CODEC=kind, L2=bool(l2), CLIP=clip is not None,
+                       CODEC=kind, L2=kind == QSGD and bool(l2), CLIP=clip is not None,
                        HAS_RES=residual is not None, BLOCK=block,
                        CHUNKS=triton.cdiv(bucket_size, block), enable_fp_fusion=False)
     new_residual = torch.empty_like(g) if residual is not None else g

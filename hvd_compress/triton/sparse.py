@@ -36,7 +36,8 @@ def _count(m_ptr, thr_ptr, counts_ptr, n, BLOCK: tl.constexpr):
 def _compact(m_ptr, thr_ptr, offsets_ptr, out_ptr, n, BLOCK: tl.constexpr):
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     keep = (tl.load(m_ptr + idx, mask=idx < n, other=0.0) >= tl.load(thr_ptr)) & (idx < n)
-    position = tl.load(offsets_ptr + tl.program_id(0)) + tl.cumsum(keep.to(tl.int64), axis=0) - 1
+    rank = tl.cumsum(keep.to(tl.int32), axis=0) - 1
+    position = tl.load(offsets_ptr + tl.program_id(0)) + rank.to(tl.int64)
     tl.store(out_ptr + position, idx.to(tl.int64), mask=keep)
 
 
