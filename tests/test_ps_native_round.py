@@ -167,10 +167,10 @@ def test_decreasing_indices_are_refused():
         frame(0, 0, [3, 3], [1.0, 1.0], 10)
 
 
-@pytest.mark.parametrize("count, coding", [(3, IndexCoding.VARINT), (2000, IndexCoding.BITMAP),
-                                           (9800, IndexCoding.DENSE)])
-def test_the_aggregate_frame_is_encode_frames_bytes(count, coding):
-    numel = 10000
+@pytest.mark.parametrize("count, coding, numel", [
+    (3, IndexCoding.VARINT, 10000), (2000, IndexCoding.BITMAP, 10000),
+    (9800, IndexCoding.DENSE, 10000), (40, IndexCoding.VARINT, 1 << 32)])  # gaps of up to 5 bytes
+def test_the_aggregate_frame_is_encode_frames_bytes(count, coding, numel):
     rng = np.random.default_rng(count)
     idx = np.sort(rng.choice(numel, count, replace=False)).astype(np.int64)
     val = rng.standard_normal(count).astype(np.float32)

@@ -23,9 +23,9 @@ connects). Per (shards, workers) pair, over each transport:
 * ``in-process``: the same frames through one shard's request handling
   (:class:`ps_server.service.ShardService`: decode, hold, sum at the close, encode the
   aggregate once) called directly on one thread: the aggregation code without transport.
-  Each round is timed alone, and beside it a memcpy of the round's bytes (its pushes and
-  one aggregate): the row gives the fastest of each (the least preempted on a loaded
-  machine) and their ratio, and the medians.
+  Each round's CPU time is measured alone (the thread's, so time preempted by other
+  processes does not count), and beside it a memcpy of the round's bytes (its pushes and
+  one aggregate): the row gives the fastest of each and their ratio, and the medians.
 
 Every row has a ``mode`` (the server's ``--mode``: ``union`` pulls the union of all pushes,
 ``topk`` a re-sparsified top-k of it, see :mod:`ps_server.rounds`), the bytes each worker
@@ -177,19 +177,21 @@ def measure_in_process(workers: int, numel: int, density: float, rounds: int,
     source = np.zeros(_round_bytes(pushes, 1)[1] + pulled[-1], np.uint8)
     target = np.empty_like(source)
     cpu = time.process_time()
-    for r in range(1, 1 + rounds):
-        start = time.perf_counter()
+    walls = []
+    for r in range(1, 1 + rounds):  # this thread's CPU time: not the time it was preempted
+        start, wall = time.thread_time(), time.perf_counter()
         run_round(r)
-        times.append(time.perf_counter() - start)
-        start = time.perf_counter()  # the same bytes copied, beside it
+        times.append(time.thread_time() - start)
+        walls.append(time.perf_counter() - wall)
+        start = time.thread_time()  # the same bytes copied, beside it
         np.copyto(target, source)
-        copies.append(time.perf_counter() - start)
+        copies.append(time.thread_time() - start)
     cpu = time.process_time() - cpu
     k = max(1, int(density * numel))
-    row = _row("in-process", 1, workers, workers * k, rounds, sum(times), cpu, mode,
+    row = _row("in-process", 1, workers, workers * k, rounds, sum(walls), cpu, mode,
                _round_bytes(pushes, 1)[0], float(np.mean(pulled[workers:])))
-    # The fastest round against the fastest copy: on a loaded machine, the rounds least
-    # preempted by other processes (the medians are kept beside them).
+    # CPU time of the fastest round against the fastest copy (the medians beside them): on
+    # a loaded machine, the rounds least slowed by other processes sharing the caches.
     pairs = workers * k
     row.update(server_ns_per_pair=min(times) / pairs * 1e9,
                memcpy_ns_per_pair=min(copies) / pairs * 1e9,

@@ -8,7 +8,7 @@
 #include <cstring>
 #include <functional>
 #include <vector>
-#if (defined(__PCLMUL__) && defined(__SSE4_1__)) || defined(__AVX2__)
+#if (defined(__PCLMUL__) && defined(__SSE4_1__)) || defined(__AVX2__) || defined(__BMI2__)
 #include <immintrin.h>
 #endif
 #if defined(__PCLMUL__) && defined(__SSE4_1__)
@@ -235,13 +235,10 @@ int64_t hvdc_varint_decode(const uint8_t* data, int64_t nbytes, int64_t count, i
 // Bytes of the varints of the gaps of strictly increasing, non-negative `idx`.
 int64_t hvdc_varint_nbytes(const int64_t* idx, int64_t count) {
     int64_t total = 0, prev = -1;
-    for (int64_t j = 0; j < count; ++j) {
-        uint64_t gap = uint64_t(idx[j] - prev - 1);
+    for (int64_t j = 0; j < count; ++j) {  // a gap of b significant bits takes ceil(b / 7)
+        const uint64_t gap = uint64_t(idx[j] - prev - 1);
         prev = idx[j];
-        do {
-            ++total;
-            gap >>= 7;
-        } while (gap);
+        total += (64 - __builtin_clzll(gap | 1) + 6) / 7;
     }
     return total;
 }
@@ -414,7 +411,23 @@ extern "C" int64_t hvdc_frame_encode(const uint8_t* head, int64_t head_len, cons
     std::memcpy(out, head, size_t(head_len));
     uint8_t* p = out + head_len;
     if (coding == 0) {
+#if defined(__BMI2__)
+        // Each varint as one 8-byte store: its groups spread by pdep, continuation bits on
+        // all but its last byte. A store reaches at most 7 bytes past the section, into
+        // the values (4 * count bytes) and the CRC written after it.
+        int64_t prev = -1;
+        for (int64_t j = 0; j < count; ++j) {
+            const uint64_t gap = uint64_t(idx[j] - prev - 1);
+            prev = idx[j];
+            const int len = (64 - __builtin_clzll(gap | 1) + 6) / 7;  // at most 5 here
+            const uint64_t word = _pdep_u64(gap, 0x7F7F7F7F7FULL) |
+                                  (0x8080808080ULL & ((uint64_t(1) << (8 * len - 8)) - 1));
+            std::memcpy(p, &word, 8);
+            p += len;
+        }
+#else
         p += hvdc_varint_encode(idx, count, p);
+#endif
         std::memcpy(p, val, size_t(count) * 4);
         p += count * 4;
     } else if (coding == 1) {
