@@ -488,6 +488,43 @@ def test_cluster_bench_repeats_take_turns_and_pool_their_steps(
     assert leftover_network_objects() == []
 
 
+@pytest.mark.multiprocess
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("tc") or not shutil.which("ip"),
+                    reason="needs root, ip and tc for network namespaces")
+def test_cluster_bench_hosts_of_two_ranks_keep_their_own_traffic_off_the_link(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--hosts 2 --ranks-per-host 2``: each launcher (DDP started directly, ours on
+    Horovod's Gloo controller, flat and two-level, stock Horovod hierarchical under
+    ``mpirun``) runs 4 ranks that agree, grouped two per host; the host's link counts the
+    bytes between hosts, and what a host's two ranks send each other goes over its
+    loopback, not the link: a ring of 4 ranks placed two per host crosses each host link
+    once per direction (1.5x the gradient per step; two-level 1x), where the link would
+    carry both local ranks' sends (3x) if their own traffic went over it."""
+    assert main(["cluster", "--quick", "--hosts", "2", "--ranks-per-host", "2", "--epochs",
+                 "0", "--schemes", "none", "none@host", "--ddp", "none", "--horovod", "none",
+                 "--horovod-controllers", "mpi-hierarchical", "--no-floor",
+                 "--json", str(tmp_path / "rows.json"), "--timeout", "300"]) == 0
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert [(r["system"], r["scheme"]) for r in rows] == [
+        ("horovod-mpi-hierarchical", "none"), ("ddp", "none"), ("hvd-compress", "none"),
+        ("hvd-compress", "none@host")]
+    dense_bytes = 4 * rows[0]["parameters"]
+    for row in rows:
+        assert (row["hosts"], row["ranks_per_host"], row["ranks"]) == (2, 2, 4)
+        assert row["local_size"] == 2  # Horovod (or DDP's launch) groups ranks by host
+        assert row["replicas_agree"] and row["step_s"] > 0
+        assert dense_bytes <= row["tx_bytes_per_step"] < 2 * dense_bytes, row["system"]
+        assert row["loopback_tx_bytes_per_step"] >= dense_bytes / 2, row["system"]
+        assert row["expected_tx_bytes"] is None  # per rank, not per host link
+    assert rows[0]["settings"]["HOROVOD_HIERARCHICAL_ALLREDUCE"] == "1"
+    assert rows[3]["settings"]["hierarchy"] == "host"
+    printed = capsys.readouterr().out
+    assert "| hvd-compress | `none@host` | 1gbit |" in printed
+    assert "Bytes per step of host 0 (2 emulated hosts x 2 ranks;" in printed
+    assert "| hvd-compress | `none` | 1gbit |" in printed
+    assert leftover_network_objects() == []
+
+
 def test_cluster_targets_compare_the_hook_with_our_powersgd_at_its_bytes() -> None:
     """The hook's target applies to our PowerSGD at its rank and start, and to
     ``alternate=True`` at twice the rank (the same bytes per step), nothing else."""

@@ -138,7 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
     clus.add_argument("--quick", action="store_true",
                       help="a tiny model on 2 hosts at one rate, 3 steps: checks the harness "
                       "in about a minute (the options below still apply when given)")
-    clus.add_argument("--ranks", type=_positive_int, help="worker hosts (default 4)")
+    clus.add_argument("--ranks", "--hosts", type=_positive_int, dest="ranks",
+                      help="worker hosts (default 4)")
+    clus.add_argument("--ranks-per-host", type=_positive_int,
+                      help="ranks on each worker host, sharing its network namespace: "
+                      "unthrottled loopback between them, the throttled link to other "
+                      "hosts (default 1)")
     clus.add_argument("--rates", type=_comma_list(_rate),
                       help="link rates, comma-separated (default 100mbit,1gbit,10gbit)")
     clus.add_argument("--latency-ms", type=float, default=0.0,
@@ -162,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     clus.add_argument("--schemes", type=_cluster_spec, nargs="*",
                       help="hvd-compress schemes; SPEC@ps sends sparse pairs to a gRPC "
                       "server on its own host, SPEC@gloo the dense rounds on a Gloo group "
-                      "(collectives='gloo'), SPEC@gloo@ps both "
+                      "(collectives='gloo'), SPEC@gloo@ps both; SPEC@host is two-level "
+                      "(hierarchy='host') "
                       f"(default: {' '.join(cluster.DEFAULT_SCHEMES)})")
     clus.add_argument("--ddp", nargs="*", choices=["none", "fp16"] + [
         s for s in cluster.DDP_SCHEMES if "powersgd" in s], metavar="SCHEME",
@@ -192,8 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
     clus.add_argument("--shared-processes", action="store_true",
                       help="run each system's configurations one after the other in the same "
                       "processes (default: fresh processes for every configuration)")
-    clus.add_argument("--horovod-controllers", nargs="+", choices=["gloo", "mpi"],
-                      help="stock Horovod's controllers, one row each (default: gloo mpi)")
+    clus.add_argument("--horovod-controllers", nargs="+",
+                      choices=["gloo", "mpi", cluster.HIERARCHICAL],
+                      help="stock Horovod's controllers, one row each; "
+                      f"{cluster.HIERARCHICAL}: mpirun with HOROVOD_HIERARCHICAL_ALLREDUCE=1 "
+                      "and HOROVOD_HIERARCHICAL_ALLGATHER=1 (default: gloo mpi)")
     clus.add_argument("--max-epochs", type=_positive_int,
                       help="most digits epochs of a configuration that has not reached the "
                       "target within the time budget (default 60)")
@@ -311,7 +320,8 @@ def _cluster(args: argparse.Namespace) -> int:
     """Run the plan and write its report; 1 if a launch failed (the others' rows are still
     written, and the report gives the failure's cause), else 0."""
     plan = cluster.Plan.quick() if args.quick else cluster.Plan()
-    given = {"ranks": args.ranks, "rates": args.rates, "models": args.models,
+    given = {"ranks": args.ranks, "ranks_per_host": args.ranks_per_host,
+             "rates": args.rates, "models": args.models,
              "steps": args.steps, "warmup": args.warmup, "schemes": args.schemes,
              "ddp": args.ddp, "horovod": args.horovod, "bucket_mb": args.bucket_mb,
              "accuracy_rate": args.accuracy_rate, "epochs": args.epochs, "hidden": args.hidden,

@@ -1,7 +1,10 @@
 """``bench cluster``: training step time of every system on an emulated cluster, side by side.
 
-For each link rate, :func:`hvd_compress.bench.hosts.emulated_hosts` makes one host per
-worker (plus one for the parameter server when a configuration uses it), and every system
+For each link rate, :func:`hvd_compress.bench.hosts.emulated_hosts` makes ``ranks`` worker
+hosts (plus one for the parameter server when a configuration uses it), each running
+``ranks_per_host`` ranks in its one network namespace (``--hosts H --ranks-per-host L``: the
+ranks of a host talk to each other over its loopback, unthrottled, and to other hosts over
+its throttled link), and every system
 trains the same MLP on those hosts, one launch (fresh processes) per configuration, or with
 ``separate=False`` one per system running its configurations one after the other
 (:mod:`hvd_compress.bench.cluster_rank`):
@@ -10,11 +13,14 @@ trains the same MLP on those hosts, one launch (fresh processes) per configurati
   ``batched_powerSGD_hook`` at the same rank
   and start iteration as ours (one bucket: the default buckets can deadlock at 4 ranks);
 - stock Horovod: ``Compression.none`` and ``Compression.fp16``, on Horovod's Gloo
-  controller (``horovod``) and under ``mpirun`` (``horovod-mpi``);
+  controller (``horovod``), under ``mpirun`` (``horovod-mpi``), and under ``mpirun`` with
+  ``HOROVOD_HIERARCHICAL_ALLREDUCE=1`` and ``HOROVOD_HIERARCHICAL_ALLGATHER=1``
+  (``horovod-mpi-hierarchical``);
 - hvd-compress: each scheme given, sparse ones through Horovod ``allgather`` and, with
   ``@ps`` after the spec, through a gRPC parameter server on its own host; with ``@gloo``
   after the spec, its dense rounds on a ``torch.distributed`` Gloo group instead of
-  Horovod's collectives.
+  Horovod's collectives; with ``@host``, two-level (``hierarchy="host"``: dense inside a
+  host, compressed across hosts).
 
 Horovod-based systems run on Horovod's Gloo controller (ranks started on their hosts with
 the environment ``horovodrun --gloo`` gives them, and Horovod's own rendezvous server), or
@@ -29,7 +35,8 @@ and goes on, while it has not reached the target, until it has used the same bud
 most ``max_epochs``): time decides, not epochs, so a system with cheap steps may take more
 of them. Each row holds the
 median and 90th-percentile step time of the timed steps, the bytes each host's interface
-sent per step (the kernel's counters, headers included), what the optimizer says it sent,
+sent per step on its link (host 0's ``eth0`` counters, headers included; what the ranks of
+a host send each other goes over its loopback, counted apart), what the optimizer says it sent,
 whether the replicas ended identical, and the speed-up against uncompressed Horovod and
 against DDP with no hook on the same link, in the same run.
 """
@@ -68,17 +75,26 @@ SERVER_SUFFIX = "@ps"
 GLOO_SUFFIX = "@gloo"
 """After a scheme spec: its dense rounds go on a ``torch.distributed`` Gloo group
 (``collectives="gloo"``) instead of Horovod's collectives."""
+HOST_SUFFIX = "@host"
+"""After a scheme spec: two-level, the optimizer's ``hierarchy="host"`` (the ranks of a host
+reduce dense over its loopback, the compressed exchange runs across hosts)."""
+SUFFIXES = (GLOO_SUFFIX, SERVER_SUFFIX, HOST_SUFFIX)
 
 
 def split_spec(spec: str) -> tuple[str, dict[str, Any]]:
-    """A ``bench cluster`` scheme spec's scheme and options: ``SPEC[@gloo][@ps]``."""
+    """A ``bench cluster`` scheme spec's scheme and options: ``SPEC[@gloo][@ps][@host]``
+    (the suffixes in any order)."""
     scheme, *flags = spec.split("@")
-    unknown = sorted(set(flags) - {SERVER_SUFFIX[1:], GLOO_SUFFIX[1:]})
+    unknown = sorted(set(flags) - {suffix[1:] for suffix in SUFFIXES})
     if unknown:
         raise ValueError(f"{spec!r}: unknown suffix(es) {unknown}; after a scheme come "
-                         f"{GLOO_SUFFIX} and {SERVER_SUFFIX}")
-    return scheme, {"server": SERVER_SUFFIX[1:] in flags,
-                    "collectives": "gloo" if GLOO_SUFFIX[1:] in flags else "horovod"}
+                         f"{', '.join(SUFFIXES)}")
+    options: dict[str, Any] = {
+        "server": SERVER_SUFFIX[1:] in flags,
+        "collectives": "gloo" if GLOO_SUFFIX[1:] in flags else "horovod"}
+    if HOST_SUFFIX[1:] in flags:
+        options["hierarchy"] = "host"
+    return scheme, options
 
 
 def spec_label(scheme: str, settings: dict[str, Any]) -> str:
@@ -88,6 +104,8 @@ def spec_label(scheme: str, settings: dict[str, Any]) -> str:
         label += GLOO_SUFFIX
     if settings.get("ps", "allgather") != "allgather":
         label += SERVER_SUFFIX
+    if settings.get("hierarchy"):
+        label += HOST_SUFFIX
     return label
 DEFAULT_RATES = ("100mbit", "1gbit", "10gbit")
 DEFAULT_SCHEMES = ("none", "fp16", "powersgd:rank=4,start_iter=2", "onebit",
@@ -96,8 +114,15 @@ DEFAULT_SCHEMES = ("none", "fp16", "powersgd:rank=4,start_iter=2", "onebit",
 DDP_SCHEMES = ("none", "fp16", "powersgd:rank=4,start_iter=2",
                "batched-powersgd:rank=4,start_iter=2")
 HOROVOD_SCHEMES = ("none", "fp16")
-HOROVOD_SYSTEMS = ("horovod", "horovod-mpi")
-"""Stock Horovod's rows: on its Gloo controller, and under ``mpirun``."""
+HIERARCHICAL = "mpi-hierarchical"
+"""Stock Horovod's controller choice for ``mpirun`` with ``HOROVOD_HIERARCHICAL_ALLREDUCE``
+and ``HOROVOD_HIERARCHICAL_ALLGATHER`` set (row ``horovod-mpi-hierarchical``). Horovod
+0.28.1 built without NCCL has a hierarchical all-gather on MPI but no hierarchical
+all-reduce on the CPU (only NCCL's): its all-reduce then stays OpenMPI's."""
+HIERARCHICAL_ENV = {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1", "HOROVOD_HIERARCHICAL_ALLGATHER": "1"}
+HOROVOD_SYSTEMS = ("horovod", "horovod-mpi", f"horovod-{HIERARCHICAL}")
+"""Stock Horovod's rows: on its Gloo controller, under ``mpirun``, and under ``mpirun``
+with Horovod's hierarchical settings."""
 OURS = "hvd-compress"
 """hvd-compress's rows: ``hvd-compress`` on Horovod's Gloo controller, ``hvd-compress-mpi``
 under ``mpirun``, ``hvd-compress-mpi-gloo`` under ``mpirun`` with Horovod's Gloo controller
@@ -121,6 +146,9 @@ class Plan:
     """What one run of the benchmark measures."""
 
     ranks: int = 4
+    """Worker hosts (``--hosts``, or ``--ranks`` as before hosts had several ranks)."""
+    ranks_per_host: int = 1
+    """Ranks on each worker host, sharing its namespace and its one link."""
     rates: Sequence[str] = DEFAULT_RATES
     latency_ms: float = 0.0
     models: Sequence[str] = ("mlp",)
@@ -176,6 +204,11 @@ class Plan:
             return [System(s.label, s.runs, s.controller, [c]) for s in systems
                     for c in s.configs]
         return [system for system in systems if system.configs]
+
+    @property
+    def world(self) -> int:
+        """Every worker rank: hosts times ranks per host."""
+        return self.ranks * self.ranks_per_host
 
     @property
     def needs_server(self) -> bool:
@@ -270,20 +303,28 @@ class Digits:
 
 def _launch(system: System, plan: Plan, model: str, addresses: list[str], directory: Path,
             port: int, digits: Digits | None) -> None:
-    """Run one system's configurations of ``model`` on the worker hosts ``addresses``."""
+    """Run one system's configurations of ``model`` on the worker hosts ``addresses``,
+    ``plan.ranks_per_host`` ranks on each: ranks ``h L`` to ``h L + L - 1`` on host ``h``,
+    as ``horovodrun -H a:L,b:L`` and ``mpirun --host a:L,b:L`` place them."""
     timeout = plan.timeout
     argv = _rank_argv(system, plan, model, directory, time.time() + timeout - 5, digits)
-    n = len(addresses)
-    horovod_env = horovod_settings(plan)
+    per_host = plan.ranks_per_host
+    n = len(addresses) * per_host
+    horovod_env = horovod_settings(plan, system)
+
+    def on_host(rank: int, env: dict[str, str]) -> list[str]:
+        host = rank // per_host
+        return host_command(host, argv, directory, addresses[host], env)
+
     if system.runs == "local":
-        _run_direct([host_command(i, argv, directory, addresses[i],
-                                  {"RANK": str(i), "WORLD_SIZE": str(n)}) for i in range(n)],
+        _run_direct([on_host(r, {"RANK": str(r), "WORLD_SIZE": str(n)}) for r in range(n)],
                     timeout, directory)
     elif system.runs == "ddp":
-        commands = [host_command(i, argv, directory, addresses[i], {
-            "MASTER_ADDR": addresses[0], "MASTER_PORT": str(port), "RANK": str(i),
-            "WORLD_SIZE": str(n), "LOCAL_RANK": "0", "GLOO_SOCKET_IFNAME": "eth0"})
-            for i in range(n)]
+        commands = [on_host(r, {
+            "MASTER_ADDR": addresses[0], "MASTER_PORT": str(port), "RANK": str(r),
+            "WORLD_SIZE": str(n), "LOCAL_RANK": str(r % per_host),
+            "LOCAL_WORLD_SIZE": str(per_host), "GLOO_SOCKET_IFNAME": "eth0"})
+            for r in range(n)]
         _run_direct(commands, timeout, directory)
     elif system.controller == "gloo":
         from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
@@ -293,14 +334,14 @@ def _launch(system: System, plan: Plan, model: str, addresses: list[str], direct
         rendezvous = RendezvousServer()
         rendezvous_port = rendezvous.start()
         try:
-            slots = get_host_assignments(parse_hosts(",".join(f"{a}:1" for a in addresses)),
-                                         n)
+            slots = get_host_assignments(
+                parse_hosts(",".join(f"{a}:{per_host}" for a in addresses)), n)
             rendezvous.init(slots)
             common = create_run_env_vars(launcher_address(addresses), {"eth0"},
                                          rendezvous_port)
-            commands = [host_command(i, argv, directory, addresses[i],
-                                     {**common, **create_slot_env_vars(slot), **horovod_env})
-                        for i, slot in enumerate(slots)]
+            commands = [on_host(slot.rank, {**common, **create_slot_env_vars(slot),
+                                            **horovod_env})
+                        for slot in slots]
             _run_direct(commands, timeout, directory)
         finally:
             rendezvous.stop()
@@ -310,8 +351,10 @@ def _launch(system: System, plan: Plan, model: str, addresses: list[str], direct
         env = {**horovod_env, "GLOO_SOCKET_IFNAME": "eth0"}
         if system.controller == "mpi-gloo":  # Horovod's Gloo controller, set up by init()
             env["HVD_COMPRESS_CONTROLLER"] = "gloo"
+        if system.controller == HIERARCHICAL:
+            env.update(HIERARCHICAL_ENV)
         exported = [arg for key, value in env.items() for arg in ("-x", f"{key}={value}")]
-        code = run_mpirun([*mpirun_host_args(addresses, directory), *RING_ALLREDUCE,
+        code = run_mpirun([*mpirun_host_args(addresses, directory, per_host), *RING_ALLREDUCE,
                            *exported, *argv],
                           int(timeout), directory / "mpirun.log")
         if code != 0:
@@ -320,21 +363,33 @@ def _launch(system: System, plan: Plan, model: str, addresses: list[str], direct
                               f"{_stacks(directory)}")
 
 
-def horovod_settings(plan: Plan) -> dict[str, str]:
+def horovod_settings(plan: Plan, system: System | None = None) -> dict[str, str]:
     """Horovod's environment for every Horovod-based system of the plan (stock and ours
     alike): ``HOROVOD_CYCLE_TIME`` when the plan sets it (by default 10 ms, what
     :func:`hvd_compress.torch.init` sets; docs/benchmarks.md compares cycle times), and
-    the plan's ``horovod_env``."""
+    the plan's ``horovod_env``; for a launch of two-level configurations (``@host``),
+    ``HOROVOD_DYNAMIC_PROCESS_SETS=1``, which their process sets per host need."""
     cycle = {"HOROVOD_CYCLE_TIME": f"{plan.cycle_time_ms:g}"} if plan.cycle_time_ms else {}
-    return {**cycle, **plan.horovod_env}
+    two_level = system is not None and any(c.get("hierarchy") for c in system.configs)
+    dynamic = {"HOROVOD_DYNAMIC_PROCESS_SETS": "1"} if two_level else {}
+    return {**cycle, **dynamic, **plan.horovod_env}
 
 
-def _server(address: str, workers: int, host: int) -> Any:
+def _servers(address: str, workers: Sequence[int], host: int) -> Any:
+    """One parameter server per worker count on emulated host ``host`` (ports 7070 on):
+    a flat job's ranks are its workers, a two-level job's hosts are."""
     from hvd_compress.bench.ps import ServerProcesses
 
-    return ServerProcesses([["ps_server", "--bind", f"{address}:7070", "--workers",
-                             str(workers), "--deadline", "600", "--max-message-mb", "512"]],
+    return ServerProcesses([["ps_server", "--bind", f"{address}:{7070 + i}", "--workers",
+                             str(count), "--deadline", "600", "--max-message-mb", "512"]
+                            for i, count in enumerate(workers)],
                            prefix=["ip", "netns", "exec", host_namespace(host)])
+
+
+def server_workers(plan: Plan, config: dict[str, Any]) -> int:
+    """The workers a configuration's server counts: the hosts with ``hierarchy="host"``
+    (one push per host and slice), else every rank."""
+    return plan.ranks if config.get("hierarchy") else plan.world
 
 
 def measure_link(plan: Plan, rate: str, digits: bool = False) -> list[Row]:
@@ -348,8 +403,9 @@ def measure_link(plan: Plan, rate: str, digits: bool = False) -> list[Row]:
     sizes = {model: MODELS[model].parameters() for model in models}
     with emulated_hosts(hosts, rate, plan.latency_ms) as addresses:
         workers = addresses[:plan.ranks]
-        servers = _server(addresses[-1], plan.ranks, plan.ranks) if plan.needs_server \
-            else None
+        counts = sorted({server_workers(plan, c) for s in plan.systems() for c in s.configs
+                         if c.get("server")})
+        servers = _servers(addresses[-1], counts, plan.ranks) if counts else None
         try:
             # Step times: per model, every configuration ``repeats`` times, in turn, so that
             # a slow spell of the shared machine falls on every system alike. Digits: once.
@@ -362,12 +418,15 @@ def measure_link(plan: Plan, rate: str, digits: bool = False) -> list[Row]:
                 for config in system.configs:
                     if config.pop("server", False):
                         assert servers is not None
-                        config["ps"] = f"grpc://{servers.addresses[0]}"
+                        address = servers.addresses[counts.index(server_workers(plan,
+                                                                                config))]
+                        config["ps"] = f"grpc://{address}"
                 with tempfile.TemporaryDirectory(prefix="hvdc-cluster-") as tmp:
                     directory = Path(tmp)
                     plan.progress(f"[{rate}] {model} {system.label}: starting "
                                   f"{len(system.configs)} configuration(s) on {len(workers)} "
-                                  f"hosts (launch {index + 1} of {len(launches)})")
+                                  f"hosts x {plan.ranks_per_host} ranks "
+                                  f"(launch {index + 1} of {len(launches)})")
                     try:
                         _launch_with_progress(system, plan, model, workers, directory,
                                               29400 + index, rate, budget)
@@ -380,13 +439,16 @@ def measure_link(plan: Plan, rate: str, digits: bool = False) -> list[Row]:
                     got = json.loads((directory / "rows.json").read_text())
                 for row in got:
                     row.update(system=system.label, link=rate, link_bits=rate_bits(rate),
-                               latency_ms=plan.latency_ms, ranks=plan.ranks,
+                               latency_ms=plan.latency_ms, ranks=plan.world,
+                               hosts=plan.ranks, ranks_per_host=plan.ranks_per_host,
                                model="digits-mlp" if digits else model,
                                parameters=parameter_count((64, plan.hidden, plan.hidden, 10))
                                if digits else sizes[model],
                                controller=system.controller)
                     if system.runs in ("horovod", OURS):
-                        row["settings"].update(horovod_settings(plan))
+                        row["settings"].update(horovod_settings(plan, system))
+                    if system.controller == HIERARCHICAL:
+                        row["settings"].update(HIERARCHICAL_ENV)
                     row["scheme"] = spec_label(row["scheme"], row.get("settings", {}))
                 rows += got
                 base = _accuracy_base(rows) if digits else None
@@ -411,8 +473,8 @@ def failed_row(system: System, model: str, rate: str, failure: LaunchError) -> R
 
 
 MEAN_FIELDS = ("tx_bytes_per_step", "rx_bytes_per_step", "tx_packets_per_step",
-               "tx_payload_bytes_per_step", "cpu_s_per_step", "payload_bytes", "dense_bytes",
-               "collectives")
+               "tx_payload_bytes_per_step", "loopback_tx_bytes_per_step", "cpu_s_per_step",
+               "payload_bytes", "dense_bytes", "collectives")
 """Per-step figures of a row that :func:`pool_runs` averages over the launches."""
 
 
@@ -528,9 +590,11 @@ WIRE_FACTORS = {"dense": "allreduce", "fp16": "allreduce", "P": "allreduce",
 def expected_tx_bytes(row: Row) -> float | None:
     """Bytes one host should send per step for what the optimizer handed its collectives:
     a ring all-reduce sends ``2 (n-1)/n`` of its buffer, an all-to-all ``(n-1)/n``, a ring
-    all-gather ``n - 1`` times this rank's part; pairs pushed to a server once."""
+    all-gather ``n - 1`` times this rank's part; pairs pushed to a server once. ``None``
+    with several ranks per host (what a host's link carries then depends on where each
+    collective's ring crosses hosts)."""
     handed = row.get("collective_bytes")
-    if not handed:
+    if not handed or row.get("ranks_per_host", 1) != 1:  # per rank, not per host link
         return None
     n = row["ranks"]
     factors = {"allreduce": 2 * (n - 1) / n, "alltoall": (n - 1) / n, "allgather": n - 1}
@@ -629,6 +693,13 @@ def accuracy_rows(rows: Sequence[Row]) -> list[Row]:
 # Reporting ---------------------------------------------------------------------------------
 def label(row: Row) -> str:
     return f"{row['system']} {row['scheme']}"
+
+
+def hosts_text(row: Row) -> str:
+    """``4 emulated hosts``, or ``2 emulated hosts x 2 ranks`` with several ranks per host."""
+    per_host = row.get("ranks_per_host", 1)
+    hosts = row.get("hosts", row["ranks"])
+    return f"{hosts} emulated hosts" + (f" x {per_host} ranks" if per_host > 1 else "")
 
 
 def markdown(rows: Sequence[Row]) -> str:
@@ -734,6 +805,46 @@ def _hook_targets(rows: Sequence[Row], model: str, link: str) -> list[str]:
     return lines
 
 
+TWO_LEVEL_SPEEDUP = 1.6
+"""Two-level PowerSGD's and 1-bit's target at <= 100 Mbit/s: this many times faster per step
+than the same scheme flat."""
+TWO_LEVEL_BYTES = 0.55
+"""... while their host link carries at most this share of the flat route's bytes per step."""
+
+
+def _two_level_targets(rows: Sequence[Row], model: str, link: str) -> list[str]:
+    """With several ranks per host: every ``SPEC@host`` row of ours against ``SPEC`` flat
+    (PowerSGD and 1-bit at <= 100 Mbit/s: :data:`TWO_LEVEL_SPEEDUP` faster, at most
+    :data:`TWO_LEVEL_BYTES` of the host-link bytes), and two-level ``none`` no slower than
+    stock Horovod's hierarchical all-reduce."""
+    lines = []
+    here = [r for r in rows if r["model"] == model and r["link"] == link
+            and r.get("ranks_per_host", 1) > 1]
+    where = f"{model} {link}"
+    hierarchical = _step(here, model, link, f"horovod-{HIERARCHICAL}", "none")
+    for r in here:
+        if not is_ours(r) or not r["scheme"].endswith(HOST_SUFFIX):
+            continue
+        flat = _step(here, model, link, r["system"], r["scheme"].removesuffix(HOST_SUFFIX))
+        kind = r["scheme"].split(":")[0].split("@")[0]
+        if flat is not None and kind in ("powersgd", "onebit") and rate_bits(link) <= 1e8:
+            speedup = flat["step_s"] / r["step_s"]
+            share = r["bytes_per_step"] / max(flat["bytes_per_step"], 1)
+            lines.append(f"{'PASS' if speedup >= TWO_LEVEL_SPEEDUP else 'FAIL'}  {where}: "
+                         f"{label(r)} {r['step_s']:.3f} s, {speedup:.2f}x faster than flat "
+                         f"{flat['step_s']:.3f} s (target {TWO_LEVEL_SPEEDUP}x)")
+            lines.append(f"{'PASS' if share <= TWO_LEVEL_BYTES else 'FAIL'}  {where}: "
+                         f"{label(r)} host link {r['bytes_per_step'] / 1e6:.3f} MB/step = "
+                         f"{share:.2f} x flat's {flat['bytes_per_step'] / 1e6:.3f} MB "
+                         f"(target <= {TWO_LEVEL_BYTES})")
+        if kind == "none" and hierarchical is not None:
+            ok = r["step_s"] <= hierarchical["step_s"]
+            lines.append(f"{'PASS' if ok else 'FAIL'}  {where}: {label(r)} {r['step_s']:.3f} s "
+                         f"<= stock Horovod hierarchical all-reduce "
+                         f"{hierarchical['step_s']:.3f} s")
+    return lines
+
+
 def targets(rows: Sequence[Row]) -> list[str]:
     """PASS/FAIL lines for the goals that compare rows of this run (never enforced), per
     model and link."""
@@ -742,6 +853,7 @@ def targets(rows: Sequence[Row]) -> list[str]:
         here = [r for r in rows if r["model"] == model and r["link"] == link]
         where = f"{model} {link}"
         lines += _hook_targets(rows, model, link)
+        lines += _two_level_targets(rows, model, link)
         for r in here:
             if not is_ours(r):
                 continue
@@ -827,9 +939,9 @@ def plot_steps(rows: Sequence[Row], path: Path) -> None:
     """Step time against link rate, one line per (system, scheme), log-log."""
     first = rows[0]
     models = list(dict.fromkeys(r["model"] for r in rows))
-    title = (f"{first['ranks']} emulated hosts, {first['model']} "
+    title = (f"{hosts_text(first)}, {first['model']} "
              f"({first['parameters'] / 1e6:.1f} M parameters)" if len(models) == 1
-             else f"{first['ranks']} emulated hosts, {', '.join(models)}")
+             else f"{hosts_text(first)}, {', '.join(models)}")
     with _figure(path, title) as ax:
         for model, system, scheme in dict.fromkeys((r["model"], r["system"], r["scheme"])
                                                    for r in rows):
@@ -879,7 +991,7 @@ def accuracy_targets(rows: Sequence[Row]) -> list[str]:
 def plot_accuracy(rows: Sequence[Row], path: Path) -> None:
     """Test accuracy against training seconds, one line per (system, scheme)."""
     first = rows[0]
-    title = (f"digits, {first['ranks']} emulated hosts at {first['link']}, MLP "
+    title = (f"digits, {hosts_text(first)} at {first['link']}, MLP "
              f"64-{first['hidden']}-{first['hidden']}-10")
     with _figure(path, title) as ax:
         for r in rows:
@@ -894,10 +1006,32 @@ def plot_accuracy(rows: Sequence[Row], path: Path) -> None:
         ax.set_ylim(max(0.0, 100 * min(r["final_accuracy"] for r in rows) - 15), 100)
 
 
+def host_bytes_markdown(rows: Sequence[Row]) -> str:
+    """With several ranks per host: per (system, scheme) and link, the bytes host 0 sent
+    per step on its link and, apart, over its loopback (between its own ranks), and the
+    link's bytes against the same scheme flat (for a ``@host`` row)."""
+    lines = ["| system | scheme | link | host link MB/step | loopback MB/step | "
+             "link bytes vs flat |", "|---|---|---|---:|---:|---:|"]
+    for r in rows:
+        flat = _step(rows, r["model"], r["link"], r["system"],
+                     r["scheme"].removesuffix(HOST_SUFFIX)) \
+            if r["scheme"].endswith(HOST_SUFFIX) else None
+        share = "–" if flat is None else \
+            f"{r['bytes_per_step'] / max(flat['bytes_per_step'], 1):.2f}"
+        loopback = r.get("loopback_tx_bytes_per_step")
+        lines.append(f"| {r['system']} | `{r['scheme']}` | {r['link']} | "
+                     f"{r['bytes_per_step'] / 1e6:.3f} | "
+                     f"{'–' if loopback is None else f'{loopback / 1e6:.3f}'} | {share} |")
+    return "\n".join(lines)
+
+
 def summary(rows: Sequence[Row]) -> str:
     steps, accuracy = step_rows(rows), accuracy_rows(rows)
     measured = steps + accuracy
     out = [markdown(steps), "", "Settings:"] if steps else ["Settings:"]
+    if any(r.get("ranks_per_host", 1) > 1 for r in steps):
+        out[1:1] = ["", f"Bytes per step of host 0 ({hosts_text(steps[0])}; interface "
+                    "counters, headers included):", "", host_bytes_markdown(steps)]
     for system, scheme in dict.fromkeys((r["system"], r["scheme"]) for r in measured):
         r = next(r for r in measured if r["system"] == system and r["scheme"] == scheme)
         extra = f", controller {r['controller']}" if r.get("controller") else ""

@@ -18,7 +18,11 @@ Systems:
   ``Compression.fp16``.
 - ``hvd-compress``: :func:`hvd_compress.torch.DistributedOptimizer` with any scheme,
   sparse pairs summed by Horovod ``allgather`` or by the parameter server (``ps``), the
-  dense rounds on Horovod or on a Gloo group (``collectives``).
+  dense rounds on Horovod or on a Gloo group (``collectives``), flat or two-level
+  (``hierarchy``).
+
+Bytes are the counters of this rank's host: its link (``eth0``) and, apart, its loopback
+(``lo``), where the ranks sharing the host send each other their traffic.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hvd_compress.bench.hosts import interface_counters
+from hvd_compress.bench.hosts import LOOPBACK, interface_counters
 from hvd_compress.bench.models import CharTransformer
 
 BATCH = 32
@@ -174,8 +178,10 @@ class _System:
 
             dist.init_process_group("gloo")
             self.rank, self.size = dist.get_rank(), dist.get_world_size()
+            self.local_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         elif name == "local":
             self.rank, self.size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            self.local_size = None
         else:
             import horovod.torch as hvd
 
@@ -186,6 +192,7 @@ class _System:
             else:
                 hvd.init()
             self.rank, self.size = hvd.rank(), hvd.size()
+            self.local_size = hvd.local_size()  # the ranks Horovod sees on this host
 
     def wrap(self, model: nn.Module, config: dict[str, Any], lr: float = 0.01,
              momentum: float = 0.0) -> tuple[nn.Module, torch.optim.Optimizer, dict[str, Any]]:
@@ -208,6 +215,8 @@ class _System:
         from hvd_compress import Compression
 
         extra = {"bucket_mb": config["bucket_mb"]} if config.get("bucket_mb") else {}
+        if config.get("hierarchy"):  # two-level; only passed when asked for
+            extra["hierarchy"] = config["hierarchy"]
         collectives = config.get("collectives", "horovod")
         wrapped = hvdc.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                             compression=Compression.parse(scheme),
@@ -389,14 +398,14 @@ def run_config(system: _System, workload: Workload, config: dict[str, Any], step
     times: list[float] = []
     step_phases: list[tuple[float, float, float]] = []  # per step, in PHASES order
     exchange: dict[str, float] = {}  # hvd-compress's own breakdown (StepStats.seconds)
-    counters0 = interface_counters()
+    counters0, loopback0 = interface_counters(), interface_counters(LOOPBACK)
     cpu0 = 0.0
     pauses = GCPauses()
     gc.callbacks.append(pauses)
     for step in range(warmup + steps):
         if step == warmup:
             system.barrier(f"{config['scheme']}.{step}")
-            counters0 = interface_counters()
+            counters0, loopback0 = interface_counters(), interface_counters(LOOPBACK)
             cpu0 = _cpu_seconds()
             pauses.reset()
         x, y = batches[step % len(batches)]
@@ -418,6 +427,7 @@ def run_config(system: _System, workload: Workload, config: dict[str, Any], step
         progress(f"{config['scheme']} step {step + 1}/{warmup + steps} {times[-1]:.3f} s")
     gc.callbacks.remove(pauses)
     sent = interface_counters() - counters0
+    loopback = interface_counters(LOOPBACK) - loopback0
     cpu = (_cpu_seconds() - cpu0) / steps
     timed = sorted(times[warmup:])
     agree = system.replicas_agree(model)
@@ -429,11 +439,13 @@ def run_config(system: _System, workload: Workload, config: dict[str, Any], step
            "tx_bytes_per_step": sent.tx_bytes / steps, "rx_bytes_per_step": sent.rx_bytes / steps,
            "tx_packets_per_step": sent.tx_packets / steps,
            "tx_payload_bytes_per_step": sent.tx_payload_bytes / steps,
+           "loopback_tx_bytes_per_step": loopback.tx_bytes / steps,
            "cpu_s_per_step": cpu,
            "phases_s": {name: sum(p[i] for p in step_phases[warmup:]) / steps
                         for i, name in enumerate(PHASES)},
            "exchange_s": {part: total / steps for part, total in exchange.items()},
            "replicas_agree": agree, "cpu_affinity": sorted(os.sched_getaffinity(0)),
+           "local_size": system.local_size,
            "gc": pauses.row(),
            **_stats(optimizer)}
     return row

@@ -1,13 +1,15 @@
 """An emulated cluster on one machine: hosts in network namespaces behind throttled links.
 
 Each host is a network namespace with one interface, ``eth0``, joined to the others by a
-veth pair on a bridge. A token-bucket filter (``tc ... tbf rate RATE``) sits on both ends
-of every link, so each host sends and receives at most ``RATE``; an optional ``netem``
-delay is added to each host's outgoing traffic. Processes are started inside a host with
-``ip netns exec`` (:func:`host_command`), or by ``mpirun`` through an agent script that
-maps a host address to its namespace (:func:`mpirun_host_args`). Every namespace, link and
-process made here is removed when :func:`emulated_hosts` exits, even on an error or
-Ctrl-C, and traffic stays between the namespaces.
+veth pair on a bridge; several ranks may share a host (its namespace), and their traffic
+to each other goes over the namespace's loopback, unthrottled, as inside a real host. A
+token-bucket filter (``tc ... tbf rate RATE``) sits on both ends of every link, so each
+host sends and receives at most ``RATE``; an optional ``netem`` delay is added to each
+host's outgoing traffic. Processes are started inside a host with ``ip netns exec``
+(:func:`host_command`), or by ``mpirun`` through an agent script that maps a host address
+to its namespace (:func:`mpirun_host_args`). Every namespace, link and process made here is
+removed when :func:`emulated_hosts` exits, even on an error or Ctrl-C, and traffic stays
+between the namespaces.
 
 Needs root, ``ip`` and ``tc`` (Debian's ``iproute2``).
 """
@@ -182,11 +184,16 @@ exec ip netns exec "$ns" unshare --uts sh -c \
     return script
 
 
-def mpirun_host_args(addresses: Sequence[str], directory: Path) -> list[str]:
-    """``mpirun`` options that start one rank on each of ``addresses`` (emulated hosts),
-    with OpenMPI's out-of-band and TCP traffic on the hosts' subnet."""
+def mpirun_host_args(addresses: Sequence[str], directory: Path,
+                     ranks_per_host: int = 1) -> list[str]:
+    """``mpirun`` options that start ``ranks_per_host`` ranks on each of ``addresses``
+    (emulated hosts; ranks ``h L`` to ``h L + L - 1`` on host ``h``, as OpenMPI maps by
+    slot), with OpenMPI's out-of-band and TCP traffic on the hosts' subnet. The ranks of
+    one host share its namespace: OpenMPI (and Horovod's local ranks) see them as one node,
+    and their TCP traffic to each other goes over the namespace's loopback, unthrottled."""
     subnet = addresses[0].rsplit(".", 1)[0] + ".0/24"
-    return ["-np", str(len(addresses)), "--host", ",".join(f"{a}:1" for a in addresses),
+    return ["-np", str(len(addresses) * ranks_per_host),
+            "--host", ",".join(f"{a}:{ranks_per_host}" for a in addresses),
             "--mca", "plm_rsh_agent", str(_agent_script(directory, addresses)),
             "--mca", "plm_rsh_no_tree_spawn", "1", "--mca", "routed", "direct",
             *NO_TOPOLOGY_SHMEM,
@@ -219,6 +226,12 @@ class Counters:
         """Bytes sent less :data:`HEADER_BYTES` per packet: what TCP carried for the
         processes (pure acknowledgements count as headers only)."""
         return self.tx_bytes - HEADER_BYTES * self.tx_packets
+
+
+LOOPBACK = "lo"
+"""The loopback interface of a host's namespace: what its ranks send each other (to the
+host's own address too: the kernel routes a namespace's own addresses over ``lo``), never
+throttled and never on the host's link."""
 
 
 def interface_counters(interface: str = INTERFACE) -> Counters:
