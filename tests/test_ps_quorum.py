@@ -184,7 +184,8 @@ def test_a_behind_worker_pulls_the_closed_rounds_and_pushes_its_residual_in_the_
     """Told by a late refusal of round 0 that the server has round 3 open, the
     communicator only pulls rounds 1 and 2 (refusing all their pairs to the scheme) and
     counts round 3 as behind too; skip_behind drops the loader's batches of rounds 1-3
-    and runs the skip step for each (for round 3 a push, of what the scheme gives it)."""
+    and runs the optimizer's step on zeros for each (for round 3 a push, of what the
+    scheme gives it)."""
 
     class Client(_Client):
         def __init__(self) -> None:
@@ -208,11 +209,24 @@ def test_a_behind_worker_pulls_the_closed_rounds_and_pushes_its_residual_in_the_
     def step() -> None:
         results.append(comm.wait(comm.start("w", op)))
 
-    seen = []
-    for batch in skip_behind(range(6), comm, step):
+    class Optimizer:  # as hvd_compress.torch's: its step exchanges, zero_grad clears
+        def __init__(self) -> None:
+            self._pipeline = SimpleNamespace(comm=comm)
+            self.calls: list[str] = []
+
+        def zero_grad(self) -> None:
+            self.calls.append("zero_grad")
+
+        def step(self) -> None:
+            self.calls.append("step")
+            step()
+
+    optimizer, seen = Optimizer(), []
+    for batch in skip_behind(range(6), optimizer):
         seen.append(batch)
         step()  # the loop's own step, with a gradient
     assert seen == [0, 4, 5]  # the batches of rounds 1, 2 and 3 were dropped
+    assert optimizer.calls == ["zero_grad", "step"] * 3  # a step on zeros for each
     assert client.started == [(0, 2, True), (1, 0, False), (2, 0, False), (3, 2, True),
                               (4, 2, True), (5, 2, True)]
     assert comm.skipped_rounds == 2 and comm.behind() == 0
@@ -415,3 +429,18 @@ def test_the_mpi_client_keeps_a_late_shard_and_pulls_its_closed_round():
     assert pending.late[1] is None and pending.missing == [1, 1]
     assert (indices.tolist(), values.tolist()) == ([1, 12], [2.0, 14.0])
     assert pending.refused(torch.tensor([3, 12])).tolist() == [True, False]
+
+
+def test_the_stragglers_bench_runs_every_mode(capsys):
+    """``python -m hvd_compress.bench.stragglers``: one row per mode, the straggler's
+    computed steps never above the rounds, all of them without skipping."""
+    from hvd_compress.bench import stragglers
+
+    assert stragglers.main(["--steps", "4", "--compute", "0.01", "--delay", "3",
+                            "--every", "2", "--modes", ",".join(stragglers.MODES)]) == 0
+    out = capsys.readouterr().out
+    rows = {line[:28].strip(): line for line in out.splitlines()}
+    assert set(stragglers.MODES.values()) <= set(rows), out
+    for label in stragglers.MODES.values():
+        computed = int(rows[label].split()[-3].split("/")[0])
+        assert computed <= 4 and (computed == 4 or "skipping" in label), out

@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -67,9 +67,9 @@ def _worker(address: str, rank: int, args: argparse.Namespace, mode: str,
 
     steps = range(args.steps)
     try:
-        for _ in skip_behind(steps, comm, skip_step) if mode == "skip" else steps:
+        for _ in skip_behind(steps, comm, skip_step) if "skip" in mode else steps:
             computed += 1
-            slow = mode != "undelayed" and rank == args.workers - 1 and \
+            slow = not mode.startswith("undelayed") and rank == args.workers - 1 and \
                 computed % args.every == 0
             time.sleep(args.compute * (1 + (args.delay if slow else 0)))
             pipeline.reduce({"w": torch.randn(256, 256, generator=gen)})
@@ -79,17 +79,18 @@ def _worker(address: str, rank: int, args: argparse.Namespace, mode: str,
     times[rank] = (stamps, computed)
 
 
-def run(args: argparse.Namespace, mode: str) -> dict[str, float]:
-    """One run (``mode``: ``undelayed``, ``full``, ``quorum`` or ``skip``): the step
-    times and the quorum counters."""
+def _launch(args: argparse.Namespace, mode: str, worker: Callable[..., None],
+            out: dict[int, Any]) -> tuple[ShardStore, float]:
+    """A server (full rounds, or ``--quorum`` and ``--grace`` unless ``mode`` is
+    ``undelayed`` or ``full``) and ``worker(address, rank, args, mode, out)`` in a thread
+    per worker; the server's store and the wall time until every worker is done."""
     quorum = None if mode in ("undelayed", "full") else str(args.quorum)
-    store = ShardStore(args.workers, 0, 1, deadline=60.0, quorum=Quorum.parse(
+    store = ShardStore(args.workers, 0, 1, deadline=120.0, quorum=Quorum.parse(
         quorum, args.workers, args.grace, keep=4096))
     service = ShardService(store)
-    server, port = grpc_transport.serve(service, "127.0.0.1:0", 60.0)
-    times: dict[int, tuple[list[float], int]] = {}
-    threads = [threading.Thread(target=_worker, args=(f"127.0.0.1:{port}", r, args, mode,
-                                                      times)) for r in range(args.workers)]
+    server, port = grpc_transport.serve(service, "127.0.0.1:0", 120.0)
+    threads = [threading.Thread(target=worker, args=(f"127.0.0.1:{port}", r, args, mode,
+                                                     out)) for r in range(args.workers)]
     began = time.perf_counter()
     for t in threads:
         t.start()
@@ -98,6 +99,14 @@ def run(args: argparse.Namespace, mode: str) -> dict[str, float]:
     wall = time.perf_counter() - began
     server.stop(0)
     service.close()
+    return store, wall
+
+
+def run(args: argparse.Namespace, mode: str) -> dict[str, float]:
+    """One run (``mode``: ``undelayed``, ``full``, ``quorum`` or ``skip``): the step
+    times and the quorum counters."""
+    times: dict[int, tuple[list[float], int]] = {}
+    store, wall = _launch(args, mode, _worker, times)
     per_worker = [(stamps[-1] - stamps[0]) / args.steps for stamps, _ in times.values()]
     return {"step": per_worker[0] if 0 in times else min(per_worker),
             "fastest": min(per_worker), "slowest": max(per_worker),
@@ -106,7 +115,117 @@ def run(args: argparse.Namespace, mode: str) -> dict[str, float]:
 
 
 MODES = {"undelayed": "undelayed, full rounds", "full": "delayed, full rounds",
-         "quorum": "delayed, quorum", "skip": "delayed, quorum + skipping"}
+         "quorum": "delayed, quorum", "skip": "delayed, quorum + skipping",
+         "undelayed-skip": "undelayed, quorum + skipping"}
+
+TRAIN = {"digits": {"steps": 300, "batch": 32, "optimizer": {"kind": "sgd", "lr": 0.1,
+                                                            "momentum": 0.9}},
+         "lm": {"steps": 150, "batch": 16, "context": 64, "d": 128, "layers": 2,
+                "optimizer": {"kind": "adamw", "lr": 3e-3}}}
+"""``--task``: bench converge's digits MLP and character transformer (its tasks, data and
+optimizers), for a fixed number of rounds each (shorter than converge's runs)."""
+
+
+_SEEDING = threading.Lock()
+
+
+def _train_worker(address: str, rank: int, args: argparse.Namespace, mode: str,
+                  out: dict[int, dict[str, Any]]) -> None:
+    """One worker of ``--task``: its shard's batches, top-k 1 % of every tensor through
+    the server, the aggregate averaged into ``.grad`` and the optimizer's step."""
+    from hvd_compress.bench.converge_rank import TASKS
+    from hvd_compress.policy import Policy
+
+    settings = TRAIN[args.task]
+    with _SEEDING:  # the model seeds torch's global generator: one thread at a time
+        task = TASKS[args.task](settings, rank, args.workers)
+        model = task.model(args.seed)  # the same initial weights on every worker
+    options = dict(settings["optimizer"])
+    kind = options.pop("kind")
+    optimizer = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}[kind](
+        model.parameters(), **options)
+    client = PSClient(address, rank, timeout=300, retry_timeout=60)
+    comm = ParameterServerCommunicator(SparseOnly(rank, args.workers), client, args.task)
+    pipeline = Pipeline(TopK(0.01), comm, Policy(min_numel=0, compress_1d=True))
+    params = dict(model.named_parameters())
+    gen = torch.Generator().manual_seed(1000 + rank)
+
+    def apply(grads: dict[str, torch.Tensor]) -> None:
+        for name, result in pipeline.reduce(grads).items():
+            params[name].grad = result.view_as(params[name])
+        optimizer.step()
+
+    def skip_step() -> None:  # no batch, no gradient: the closed round's aggregate only
+        apply({name: torch.zeros_like(p) for name, p in params.items()})
+
+    computed, began = 0, time.perf_counter()
+    steps = range(settings["steps"])
+    try:
+        for _ in skip_behind(steps, comm, skip_step) if "skip" in mode else steps:
+            computed += 1
+            if not mode.startswith("undelayed") and rank == args.workers - 1 and \
+                    computed % args.every == 0:
+                time.sleep(args.delay * args.compute)
+            optimizer.zero_grad()
+            task.loss(model, task.batch(gen)).backward()
+            apply({name: p.grad for name, p in params.items()})
+    finally:
+        client.close()
+    out[rank] = {"seconds": time.perf_counter() - began, "computed": computed,
+                 "weights": torch.cat([p.detach().reshape(-1) for p in params.values()]),
+                 "model": model}
+
+
+def train(args: argparse.Namespace, mode: str) -> dict[str, Any]:
+    """One training run of ``--task`` in ``mode``: held-out loss and accuracy (the whole
+    held-out set, scored on worker 0's model), whether every worker ended with the same
+    weights, the job's wall time and the straggler's computed steps."""
+    from hvd_compress.bench.converge_rank import TASKS
+
+    out: dict[int, dict[str, Any]] = {}
+    store, wall = _launch(args, mode, _train_worker, out)
+    if len(out) != args.workers:
+        raise RuntimeError(f"{args.workers - len(out)} workers failed (see above)")
+    whole = TASKS[args.task](TRAIN[args.task], 0, 1)
+    model, totals = out[0]["model"], torch.zeros(3, dtype=torch.float64)
+    model.eval()
+    with torch.no_grad():
+        for x, y in whole.held_out():
+            logits = model(x).reshape(-1, whole.classes)
+            target = y.reshape(-1)
+            totals[0] += torch.nn.functional.cross_entropy(logits, target,
+                                                           reduction="sum").item()
+            totals[1] += (logits.argmax(1) == target).sum().item()
+            totals[2] += target.numel()
+    same = all(torch.equal(out[r]["weights"], out[0]["weights"]) for r in out)
+    return {"loss": float(totals[0] / totals[2]), "accuracy": float(totals[1] / totals[2]),
+            "identical": same, "job": wall / TRAIN[args.task]["steps"],
+            "computed": out[args.workers - 1]["computed"],
+            "partial": store.partial_rounds / max(store.closed_rounds, 1)}
+
+
+def train_main(args: argparse.Namespace, modes: list[str]) -> int:
+    steps = TRAIN[args.task]["steps"]
+    print(f"--task {args.task}: {args.workers} workers, {steps} rounds, top-k 1 % of every "
+          f"tensor; worker {args.workers - 1} sleeps {args.delay * args.compute:g} s on every "
+          f"{args.every}th step it computes; quorum {args.quorum}, grace {args.grace:g} s")
+    print(f"{'run':<30} {'held-out loss':>13} {'accuracy':>9} {'job step':>9} "
+          f"{'computed':>9} {'partial':>7} replicas")
+    for mode in _launches(args.repeat, modes):
+        r = train(args, mode)
+        print(f"{MODES[mode]:<30} {r['loss']:13.4f} {100 * r['accuracy']:8.2f}% "
+              f"{1e3 * r['job']:6.1f} ms {r['computed']:5d}/{steps:<3d} "
+              f"{100 * r['partial']:6.1f}% "
+              f"{'identical' if r['identical'] else 'DIFFER'}", flush=True)
+    return 0
+
+
+def _launches(repeat: int, modes: list[str]) -> Iterator[str]:
+    """``modes`` ``repeat`` times, a blank line printed between launches."""
+    for launch in range(repeat):
+        if launch:
+            print()
+        yield from modes
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -120,32 +239,37 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="the straggler's delayed steps (of those it computes)")
     parser.add_argument("--quorum", type=int, default=3)
     parser.add_argument("--grace", type=float, default=0.025, help="seconds")
-    parser.add_argument("--repeat", type=int, default=1, help="launches of the four runs")
-    parser.add_argument("--modes", default=",".join(MODES),
+    parser.add_argument("--repeat", type=int, default=1, help="launches of the runs")
+    parser.add_argument("--modes", default="undelayed,full,quorum,skip",
                         help=f"runs, in order, of {', '.join(MODES)}")
+    parser.add_argument("--task", choices=sorted(TRAIN),
+                        help="train this model instead (compute is real; --compute only "
+                        "scales the delay)")
+    parser.add_argument("--seed", type=int, default=0, help="--task's initial weights")
     args = parser.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = sorted(set(modes) - set(MODES))
-    if unknown or "undelayed" not in modes:
+    if unknown or ("undelayed" not in modes and args.task is None):
         parser.error(f"--modes takes {', '.join(MODES)} including undelayed (the base); "
                      f"got {args.modes!r}")
+    torch.set_num_threads(1)
+    if args.task is not None:
+        return train_main(args, modes)
     print(f"{args.workers} workers, {args.steps} steps, compute {args.compute:g} s/step; "
           f"worker {args.workers - 1} delayed by {args.delay:g}x on every {args.every}th "
           f"step it computes; quorum {args.quorum}, grace {args.grace:g} s")
     print(f"{'run':<28} {'job step':>14} {'worker 0':>9} {'fastest':>8} {'slowest':>8} "
           f"{'computed':>9} {'partial':>8} {'late':>5}")
-    for launch in range(args.repeat):
-        base = None
-        for mode in sorted(modes, key=lambda m: m != "undelayed"):
-            result = run(args, mode)
-            base = base or result["job"]
-            print(f"{MODES[mode]:<28} {1e3 * result['job']:6.1f} ms "
-                  f"{result['job'] / base:5.2f}x {1e3 * result['step']:6.1f} ms "
-                  f"{1e3 * result['fastest']:5.1f} ms {1e3 * result['slowest']:5.1f} ms "
-                  f"{result['computed']:5d}/{args.steps:<3d} {result['partial']:4d}/"
-                  f"{args.steps:<3d} {result['late']:5d}", flush=True)
-        if launch + 1 < args.repeat:
-            print()
+    run(argparse.Namespace(**{**vars(args), "steps": 2}), "undelayed")  # warm-up, unshown
+    base = 0.0
+    for mode in _launches(args.repeat, sorted(modes, key=lambda m: m != "undelayed")):
+        result = run(args, mode)
+        base = result["job"] if mode == "undelayed" else base
+        print(f"{MODES[mode]:<28} {1e3 * result['job']:6.1f} ms "
+              f"{result['job'] / base:5.2f}x {1e3 * result['step']:6.1f} ms "
+              f"{1e3 * result['fastest']:5.1f} ms {1e3 * result['slowest']:5.1f} ms "
+              f"{result['computed']:5d}/{args.steps:<3d} {result['partial']:4d}/"
+              f"{args.steps:<3d} {result['late']:5d}", flush=True)
     return 0
 
 
