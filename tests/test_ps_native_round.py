@@ -222,3 +222,38 @@ def test_a_second_content_for_the_same_worker_is_refused_on_both_routes():
             service.push(frame(0, 0, [1], [1.0], 100), "a")
             with pytest.raises(ConflictingPush):
                 service.push(frame(0, 0, [1], [2.0], 100), "b")
+
+
+@pytest.mark.parametrize("restart_native", [True, False])
+def test_a_restart_resumes_the_topk_residual_exactly_on_either_route(tmp_path, restart_native):
+    """The journal holds each round's union sum; a server restarted from the checkpoint of
+    one that stopped after 5 rounds (native or not) replays it through the top-k into the
+    same residual, and answers the next rounds as a server that never stopped."""
+    numel, rng = 30000, np.random.default_rng(9)
+    rounds = [random_round(rng, 2, numel, round=r) for r in range(8)]
+
+    def serve(service: ShardService, which: range) -> list[bytes]:
+        answers = []
+        for r in which:
+            for w in range(2):
+                service.push(rounds[r][w], "t")
+            answers.append(service.pull(encode_frame(Kind.PULL, "w", 0, 1, r, 0, numel),
+                                        "t", 5.0))
+        return answers
+
+    reference = ShardService(ShardStore(2, 0, 1, "topk"))
+    serve(reference, range(5))
+    residual = reference.store.tensors["w"].residual.copy()
+    expected = serve(reference, range(5, 8))
+    stopped = ShardService(ShardStore(2, 0, 1, "topk"), checkpoint_dir=str(tmp_path),
+                           checkpoint_every=3)  # a snapshot, then rounds in the journal
+    stopped.restore()
+    serve(stopped, range(5))  # each answer waited for its round to be written
+    assert stopped.snapshots >= 1 and stopped.journaled > 0  # some rounds to replay
+    with native.disabled() if not restart_native else contextlib.nullcontext():
+        restarted = ShardService(ShardStore(2, 0, 1, "topk"), checkpoint_dir=str(tmp_path),
+                                 checkpoint_every=3)
+        restarted.restore()
+        assert restarted.store.rounds() == {"w": 5} and restarted.journaled == 0
+        assert_same_bits(restarted.store.tensors["w"].residual, residual)
+        assert serve(restarted, range(5, 8)) == expected
