@@ -44,6 +44,7 @@ from hvd_compress.comm.base import Communicator
 from hvd_compress.comm.ops import AllGather, AllReduce
 from hvd_compress.comm.threads import ThreadGroup
 from hvd_compress.errors import NonFiniteGradientError
+from hvd_compress.fusion import assign_buckets
 from hvd_compress.pipeline import DEFAULT_BUCKET_BYTES, DEFAULT_REPORT_EVERY, Pipeline
 from hvd_compress.policy import Auto, Policy, Routes
 from hvd_compress.schemes.base import Scheme, write_scaled
@@ -309,8 +310,8 @@ class _CrossPipeline(Pipeline):
 @dataclass
 class _Tensor:
     grad: torch.Tensor
-    summed: torch.Tensor | None = None
-    handle: Any = None
+    handle: Any = None  # its sum inside the host, started
+    forwarded: bool = False  # its pieces are in the pipeline across hosts
 
 
 class HierarchicalPipeline:
@@ -352,6 +353,10 @@ class HierarchicalPipeline:
         self._pieces: dict[str, list[Piece]] = {}
         self._loads = [0] * local.size
         self._tensors: dict[str, _Tensor] = {}
+        self.bucket_bytes = bucket_bytes
+        self._bucket_of: dict[str, int] = {}  # planned tensor -> its bucket (whole tensors)
+        self._buckets: list[list[str]] = []
+        self._complete: list[int] = []  # this step's complete buckets not yet forwarded
         self._current = StepStats()
         self.last_step = StepStats()
         self.total = StepStats()
@@ -396,6 +401,9 @@ class HierarchicalPipeline:
         shapes = [torch.Size(n) if not isinstance(n, int) else torch.Size((n,))
                   for n in numels]
         self._order = {name: i for i, name in enumerate(names)}
+        self._buckets = assign_buckets(list(names), [s.numel() for s in shapes],
+                                       self.bucket_bytes)
+        self._bucket_of = {n: b for b, members in enumerate(self._buckets) for n in members}
         self._loads = [0] * self.local.size
         self._pieces = cut(list(names), shapes, self.local.size, self.split, self._loads)
         mine = self._register(list(names))
@@ -418,7 +426,10 @@ class HierarchicalPipeline:
 
     def submit(self, name: str, grad: torch.Tensor) -> None:
         """Start the tensor's dense sum inside the host (at :meth:`wait` over a communicator
-        matched by start order)."""
+        matched by start order). When this completes a planned bucket (of whole tensors,
+        ``bucket_bytes``), the bucket completed before it, whose sums have had a bucket's
+        backward to finish, has its pieces handed to the pipeline across hosts (its first
+        rounds start); the last bucket's go at :meth:`wait`."""
         if name in self._tensors:
             raise RuntimeError(f"tensor {name!r} was submitted twice in one step; call wait() "
                                "between steps")
@@ -426,13 +437,40 @@ class HierarchicalPipeline:
             raise TypeError(f"tensor {name!r}: hvd_compress exchanges dense floating-point "
                             f"gradients, got {grad.layout} {grad.dtype}")
         tensor = self._tensors[name] = _Tensor(grad)
-        if not getattr(self.local, "ordered", False):
-            self._start_sum(name, tensor)
+        if getattr(self.local, "ordered", False):
+            return
+        self._start_sum(name, tensor)
+        bucket = self._bucket_of.get(name)
+        if bucket is None or not all(n in self._tensors for n in self._buckets[bucket]):
+            return
+        self._complete.append(bucket)
+        while len(self._complete) > 1:
+            for member in self._buckets[self._complete.pop(0)]:
+                self._forward(member)
+
+    def _forward(self, name: str) -> None:
+        """Wait for the tensor's sum inside the host; submit this local rank's pieces of it
+        across hosts."""
+        tensor = self._tensors[name]
+        if tensor.forwarded:
+            return
+        started = time.perf_counter()
+        summed = self.local.wait(tensor.handle)
+        assert isinstance(summed, torch.Tensor)
+        self._current.seconds[f"wait {HOST_ROUND}"] += time.perf_counter() - started
+        if name not in self._pieces:  # a tensor no plan named: cut now, on every rank alike
+            self._pieces.update(cut([name], [tensor.grad.shape], self.local.size, self.split,
+                                    self._loads))
+            self._register([name])
+        summed = summed.reshape(-1)
+        for piece in self._pieces[name]:
+            if piece.owner == self.local.rank:
+                self.inner.submit(piece.key, summed[piece.start:piece.stop].view(piece.shape))
+        tensor.forwarded, tensor.handle = True, None
 
     def _start_sum(self, name: str, tensor: _Tensor) -> None:
         grad = tensor.grad
         x = (grad / self.prescale if self.prescale != 1.0 else grad.clone()).contiguous()
-        tensor.summed = x
         tensor.handle = self.local.start(f"hvdc.host.{name}", AllReduce(HOST_ROUND, x, True))
         self._current.collective_bytes[HOST_ROUND] += x.numel() * x.element_size()
         self._current.collectives += 1
@@ -445,29 +483,17 @@ class HierarchicalPipeline:
         """As :meth:`Pipeline.wait`: every rank of the job gets the same aggregates, and a
         non-finite one raises :class:`NonFiniteGradientError` on every rank with no state
         changed."""
-        tensors, self._tensors = self._tensors, {}
-        stats, self._current = self._current, StepStats()
+        tensors = self._tensors
         names = self._sorted(list(tensors))
-        started = time.perf_counter()
-        for name in names:
-            if tensors[name].handle is None:
-                self._start_sum(name, tensors[name])
-        sums = {}
-        for name in names:
-            summed = self.local.wait(tensors[name].handle)
-            assert isinstance(summed, torch.Tensor)
-            sums[name] = summed.reshape(-1)
-        stats.seconds[f"wait {HOST_ROUND}"] += time.perf_counter() - started
-        new = [n for n in names if n not in self._pieces]
-        if new:  # tensors no plan named: cut now, on every rank alike
-            self._pieces.update(cut(new, [tensors[n].grad.shape for n in new],
-                                    self.local.size, self.split, self._loads))
-            self._register(new)
-        for name in names:
-            for piece in self._pieces[name]:
-                if piece.owner == self.local.rank:
-                    self.inner.submit(piece.key, sums[name][piece.start:piece.stop]
-                                      .view(piece.shape))
+        try:
+            for name in names:
+                if tensors[name].handle is None and not tensors[name].forwarded:
+                    self._start_sum(name, tensors[name])
+            for name in names:
+                self._forward(name)
+        finally:
+            self._tensors, self._complete = {}, []
+            stats, self._current = self._current, StepStats()
         results = self.inner.wait()
         stats.add(self.inner.last_step)
         started = time.perf_counter()

@@ -98,6 +98,24 @@ def test_replicas_agree_and_resume_exactly(spec: str) -> None:
             torch.testing.assert_close(later[1][0][n], mean[n], rtol=0.02, atol=0.02)
 
 
+def test_buckets_cross_hosts_while_later_gradients_arrive() -> None:
+    """A bucket's pieces start across hosts once the next bucket is complete."""
+    pipes = hierarchical(Compression.parse("onebit:bucket_size=64"))
+    grads = gradients(0)
+
+    def run(r: int) -> tuple[bool, bool, dict[str, torch.Tensor]]:
+        pipes[r].submit("w", grads[r]["w"])
+        alone = pipes[r].inner.pending
+        for name in list(SHAPES)[1:]:
+            pipes[r].submit(name, grads[r][name])
+        return alone, pipes[r].inner.pending, pipes[r].wait()
+
+    out = on_threads(WORLD, run)
+    assert [(alone, later) for alone, later, _ in out] == [(False, True)] * WORLD
+    assert all(torch.equal(o[2]["w"], out[0][2]["w"]) for o in out)
+    assert not any(p.pending or p.inner.pending for p in pipes)
+
+
 def test_a_non_finite_piece_fails_every_rank_and_changes_no_state() -> None:
     pipes = hierarchical(Compression.parse("onebit:bucket_size=64"))
     steps(pipes, 0, 1)
