@@ -22,6 +22,20 @@ less ``ddp``; ours is ``ours`` less ``floor``, and the sum of our optimizer's me
 phases (``feedback``, ``scheme``, ``fuse``, ``commit``: its work on the training thread,
 without waits). Horovod's background cycle (``HOROVOD_CYCLE_TIME``) delays a one-rank
 all-reduce without using the CPU, so CPU seconds, not wall time, compare the two.
+
+Each exchange alone (:func:`own_costs`): the differences above subtract two whole training
+steps, whose backward pass dominates, so on a loaded machine they are noisy. The exchange's
+own CPU is also measured with no model step at all, on one backward pass's gradients of the
+model, kept and handed over again every step: DDP's ``powerSGD_hook`` called on a stand-in
+of DDP's one bucket (:class:`OneBucket`, the gradients laid out as DDP lays them, refilled
+before each call; the refill is measured alone and subtracted), against our
+:class:`~hvd_compress.pipeline.Pipeline` on Horovod's one rank submitting every gradient and
+writing the aggregates into buffers of their own, with PowerSGD (``ours``), its
+``alternate`` form at twice the rank, 1-bit and top-k 0.1% (``onebit``, ``topk``; no hook
+to compare with). Each runs :data:`OWN_WARMUP` untimed steps first (past error feedback's
+early measurements, :class:`~hvd_compress.feedback.ErrorFeedback`'s ``window``, which a
+long run pays only once), then ``repeats`` turns of ``steps`` steps in turn; the median
+turn's process CPU per step is reported.
 """
 
 from __future__ import annotations
@@ -46,6 +60,11 @@ OWN_PHASES = ("feedback", "scheme", "fuse", "commit", "report")
 DEFAULT_MODELS = ("mlp", "mlp8m", "mlp-deep", "mlp-narrow", "cnn", "transformer")
 CPU_RATIO = 1.2
 """Target: our own CPU seconds per step at most this times the hook's."""
+ALONE = ("hook", "ours", "alternate", "onebit", "topk")
+"""The exchanges :func:`own_costs` times alone."""
+OWN_WARMUP = 30
+"""Untimed steps of each exchange before :func:`own_costs` times it."""
+TOPK_RATIO = 0.001
 
 
 def _unchanged(state, bucket):
@@ -108,6 +127,109 @@ def time_system(system: str, workload: Workload, steps: int, warmup: int, rank: 
     return {"times": times[warmup:], "cpu": (_cpu_seconds() - cpu0) / steps, "phases": phases}
 
 
+class OneBucket:
+    """A stand-in for :class:`torch.distributed.GradBucket` holding every gradient, as DDP
+    with ``bucket_cap_mb=1000`` has them: one flat buffer and views of it, in the order
+    given. It answers what ``powerSGD_hook`` asks of a bucket."""
+
+    def __init__(self, gradients: Sequence[torch.Tensor]) -> None:
+        self.flat = torch.cat([g.reshape(-1) for g in gradients])
+        self._buffer = torch.empty_like(self.flat)
+        self._views, offset = [], 0
+        for g in gradients:
+            self._views.append(self._buffer[offset:offset + g.numel()].view(g.shape))
+            offset += g.numel()
+
+    def refill(self) -> None:
+        """Put the gradients back (the hook overwrites them with the aggregate)."""
+        self._buffer.copy_(self.flat)
+
+    def index(self) -> int:
+        return 0
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        return self._views
+
+    def is_last(self) -> bool:
+        return True
+
+    def parameters(self) -> list[torch.Tensor]:
+        return []
+
+
+def _scheme(system: str, rank: int, start: int) -> Any:
+    from hvd_compress import Compression
+
+    if system == "onebit":
+        return Compression.onebit()
+    if system == "topk":
+        return Compression.topk(ratio=TOPK_RATIO)
+    alternate = system == "alternate"
+    return Compression.powersgd(rank=2 * rank if alternate else rank, start_iter=start,
+                                alternate=alternate)
+
+
+def _exchanges(model: nn.Module, rank: int, start: int) -> dict[str, Callable[[], None]]:
+    """One step of each exchange of :data:`ALONE` (and ``refill``, the hook's copy) on the
+    gradients ``model`` holds, in backward order."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+    from hvd_compress.comm.horovod_torch import HorovodTorchCommunicator
+    from hvd_compress.pipeline import Pipeline
+
+    named = [(name, p.grad.detach().clone()) for name, p in model.named_parameters()][::-1]
+    bucket = OneBucket([g for _, g in named])
+    state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
+                               start_powerSGD_iter=start, use_error_feedback=True,
+                               warm_start=True)
+
+    def hook() -> None:
+        bucket.refill()
+        psgd.powerSGD_hook(state, bucket).wait()  # type: ignore[arg-type]
+
+    steps = {"hook": hook, "refill": bucket.refill}
+    outputs = {name: torch.empty_like(g) for name, g in named}
+    for system in ALONE[1:]:
+        pipeline = Pipeline(_scheme(system, rank, start), HorovodTorchCommunicator(None))
+        pipeline.plan([name for name, _ in named], [g.shape for _, g in named])
+
+        def ours(pipeline: Pipeline = pipeline) -> None:
+            for name, gradient in named:
+                pipeline.submit(name, gradient)
+            pipeline.wait(outputs)
+
+        steps[system] = ours
+    return steps
+
+
+def own_costs(workload: Workload, steps: int, repeats: int, rank: int, start: int
+              ) -> dict[str, float]:
+    """Process CPU seconds per step of each exchange of :data:`ALONE` alone on one backward
+    pass's gradients of ``workload``'s model (the module notes): the median of ``repeats``
+    turns of ``steps`` steps, after :data:`OWN_WARMUP` untimed ones; the hook's without its
+    bucket's refill."""
+    model = workload.build(0)
+    inputs, target = workload.batch(torch.Generator().manual_seed(0))
+    _loss(model(inputs), target).backward()
+    exchanges = _exchanges(model, rank, start)
+    for step in exchanges.values():
+        for _ in range(OWN_WARMUP):
+            step()
+    turns: dict[str, list[float]] = {name: [] for name in exchanges}
+    for _ in range(repeats):
+        for name, step in exchanges.items():
+            began = _cpu_seconds()
+            for _ in range(steps):
+                step()
+            turns[name].append((_cpu_seconds() - began) / steps)
+    median = {name: statistics.median(values) for name, values in turns.items()}
+    median["hook"] -= median.pop("refill")
+    return median
+
+
 @contextmanager
 def one_rank_world() -> Iterator[None]:
     """A ``torch.distributed`` Gloo group and Horovod, each of one rank, in this process."""
@@ -144,11 +266,14 @@ def run(models: Sequence[str], steps: int = 20, warmup: int = 5, repeats: int = 
                     progress(f"{name}: {system} ({turn + 1} of {repeats})")
                     runs[system].append(time_system(system, workload, steps, warmup, rank,
                                                     start))
-            rows.append(summarise(name, workload, runs))
+            progress(f"{name}: each exchange alone ({repeats} turns)")
+            alone = own_costs(workload, steps, repeats, rank, start)
+            rows.append(summarise(name, workload, runs, alone))
     return rows
 
 
-def summarise(name: str, workload: Workload, runs: dict[str, list[dict[str, Any]]]) -> Row:
+def summarise(name: str, workload: Workload, runs: dict[str, list[dict[str, Any]]],
+              alone: dict[str, float] | None = None) -> Row:
     step = {s: statistics.median(t for r in runs[s] for t in r["times"]) for s in SYSTEMS}
     cpu = {s: statistics.mean(r["cpu"] for r in runs[s]) for s in SYSTEMS}
     phases = {part: statistics.mean(r["phases"].get(part, 0.0) for r in runs["ours"])
@@ -162,7 +287,16 @@ def summarise(name: str, workload: Workload, runs: dict[str, list[dict[str, Any]
             "ours_phases_total_s": sum(phases.values()),
             "cpu_ratio": ours_cpu / hook_cpu if hook_cpu > 0 else None,
             "alternate_cpu_s": alternate_cpu,
-            "alternate_cpu_ratio": alternate_cpu / hook_cpu if hook_cpu > 0 else None}
+            "alternate_cpu_ratio": alternate_cpu / hook_cpu if hook_cpu > 0 else None,
+            "alone_cpu_s": alone or {},
+            "alone_ratio": _alone_ratios(alone or {})}
+
+
+def _alone_ratios(alone: dict[str, float]) -> dict[str, float]:
+    """Each of our exchanges' CPU alone over the hook's, for those with a hook to match
+    (PowerSGD, both forms); none when the hook's was not measured above zero."""
+    hook = alone.get("hook", 0.0)
+    return {s: alone[s] / hook for s in ("ours", "alternate") if s in alone and hook > 0}
 
 
 def _ms(value: float) -> str:
@@ -181,6 +315,10 @@ COLUMNS = [
     Column("alternate CPU ms", lambda r: _ms(r["alternate_cpu_s"])),
     Column("alternate/hook CPU", lambda r: "-" if r["alternate_cpu_ratio"] is None
            else f"{r['alternate_cpu_ratio']:.2f}"),
+    *(Column(f"alone {s} ms", lambda r, s=s: "-" if s not in r["alone_cpu_s"]
+             else _ms(r["alone_cpu_s"][s])) for s in ALONE),
+    *(Column(f"alone {s}/hook", lambda r, s=s: "-" if s not in r["alone_ratio"]
+             else f"{r['alone_ratio'][s]:.2f}") for s in ("ours", "alternate")),
 ]
 
 
@@ -188,7 +326,9 @@ def title(steps: int, repeats: int, rank: int) -> str:
     return (f"PowerSGD rank {rank}: our optimizer against DDP's powerSGD_hook, one process, "
             f"one rank, one thread; {repeats} x {steps} timed steps per system, in turn. "
             "CPU: the process's seconds per step beyond the floor's (ours) or beyond DDP "
-            "with a hook that sends nothing (the hook's)")
+            "with a hook that sends nothing (the hook's); alone: each exchange's process CPU "
+            f"per step on the model's gradients without a training step, after {OWN_WARMUP} "
+            f"untimed steps (onebit: 1-bit; topk: top-k {TOPK_RATIO:g})")
 
 
 def targets(rows: Sequence[Row]) -> list[str]:
@@ -205,4 +345,10 @@ def targets(rows: Sequence[Row]) -> list[str]:
             lines.append(f"{'PASS' if ok else 'FAIL'}  {r['model']}: our CPU per step{what} "
                          f"{_ms(cpu)} ms <= {CPU_RATIO} x the hook's "
                          f"{_ms(r['hook_cpu_s'])} ms ({ratio:.2f} x)")
+        for system, ratio in r.get("alone_ratio", {}).items():
+            what = "" if system == "ours" else " (alternate)"
+            lines.append(f"{'PASS' if ratio <= CPU_RATIO else 'FAIL'}  {r['model']}: our "
+                         f"exchange alone{what} {_ms(r['alone_cpu_s'][system])} ms <= "
+                         f"{CPU_RATIO} x the hook alone {_ms(r['alone_cpu_s']['hook'])} ms "
+                         f"({ratio:.2f} x)")
     return lines

@@ -1,0 +1,75 @@
+"""``bench overhead``'s measurement of each exchange alone (:func:`hvd_compress.bench.
+overhead.own_costs`): DDP's hook on a stand-in of its bucket against our pipeline, on the
+same gradients, without a training step."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hvd_compress.bench import overhead
+
+WORKER = """
+import torch
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+from hvd_compress.bench.overhead import OneBucket, one_rank_world
+
+with one_rank_world():
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(40, 30, generator=gen), torch.randn(30, generator=gen),
+             torch.randn(20, 40, generator=gen)]
+    bucket = OneBucket(grads)
+    state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=2,
+                               start_powerSGD_iter=2, use_error_feedback=True,
+                               warm_start=True)
+    for step in range(4):
+        bucket.refill()
+        assert torch.equal(bucket.buffer(), bucket.flat)
+        out = psgd.powerSGD_hook(state, bucket).wait()
+        assert out.data_ptr() == bucket.buffer().data_ptr()
+        views = bucket.gradients()
+        assert [v.shape for v in views] == [g.shape for g in grads]
+        # the views are the buffer: what the hook wrote into them is the buffer's content
+        assert torch.equal(torch.cat([v.reshape(-1) for v in views]), bucket.buffer())
+        if step < 2:  # a plain all-reduce of one rank: the gradients as they were
+            assert torch.equal(bucket.buffer(), bucket.flat)
+    # compressed after its start: the buffer holds the low-rank aggregate
+    assert not torch.equal(bucket.buffer(), bucket.flat)
+    assert torch.equal(views[1], grads[1])  # the vector is sent uncompressed
+    print("ok")
+"""
+
+
+@pytest.mark.multiprocess
+def test_the_stand_in_bucket_is_what_powersgd_hook_works_on(tmp_path: Path) -> None:
+    """The hook reads and writes the stand-in's buffer through its gradient views, sends a
+    vector as it is and the matrices compressed after its start, as on DDP's bucket."""
+    done = subprocess.run([sys.executable, "-c", WORKER], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().endswith("ok")
+
+
+@pytest.mark.multiprocess
+def test_overhead_reports_each_exchange_alone(tmp_path: Path) -> None:
+    """Every exchange alone has a CPU time per step, the hook's without its refill, and the
+    ratios and target lines come from those figures."""
+    out = tmp_path / "overhead.json"
+    done = subprocess.run([sys.executable, "-m", "hvd_compress.bench", "overhead",
+                           "--models", "tiny", "--steps", "3", "--warmup", "3",
+                           "--repeats", "2", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [row] = json.loads(out.read_text())
+    alone = row["alone_cpu_s"]
+    assert set(alone) == set(overhead.ALONE)
+    assert all(seconds > 0 for name, seconds in alone.items() if name != "hook")
+    for system in ("ours", "alternate"):
+        if alone["hook"] > 0:
+            assert row["alone_ratio"][system] == pytest.approx(alone[system] / alone["hook"])
+            assert f"tiny: our exchange alone{'' if system == 'ours' else ' (alternate)'}" \
+                in done.stdout
