@@ -383,3 +383,39 @@ def test_kernels_compile_for_hopper_without_contractions() -> None:
                 and "full" not in op, kernel
     divisions = {op for k in found for op in k["ops"] if op.startswith(("div.", "sqrt."))}
     assert {"div.rn.f32", "div.rn.f64", "sqrt.rn.f64"} <= divisions
+
+
+def test_no_triton_env_closes_the_route_silently(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gpu, "_state", {"reason": None, "checked": True, "warned": False})
+    monkeypatch.setenv(gpu.DISABLE_ENV, "1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not gpu.active(torch.device("cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA_HERE, reason="needs CUDA")
+@pytest.mark.parametrize("scheme", [Compression.onebit(), Compression.qsgd(bits=4),
+                                    Compression.terngrad(), Compression.qsgd(bits=3, norm="l2"),
+                                    HalfPayload(torch.bfloat16), HalfPayload(torch.float16)],
+                         ids=codec_id)
+def test_schemes_take_the_triton_route_on_cuda(scheme: PackedScheme) -> None:
+    """On CUDA a scheme's encode is the Triton kernel's, keyed from the CUDA generator (no
+    warning), and every route decodes its payload to the same values."""
+    cuda = torch.device("cuda")
+    n = 100_003
+    x = gradient(n, seed=11)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gpu.TritonFallbackWarning)
+        payload = scheme.encode(x.to(cuda), generator(cuda))
+    if isinstance(scheme, HalfPayload):
+        want, _ = gpu.kernels("cast").encode(x.to(cuda), scheme.dtype)
+    else:
+        seed = gpu.seed_tensor(generator(cuda), cuda)
+        want, _ = gpu.kernels("packed").encode(scheme.name, x.to(cuda), scheme.bucket_size,
+                                               seed=seed, **options(scheme))
+    assert torch.equal(payload, want)
+    decoded = scheme.decode(payload, n).cpu()
+    assert torch.equal(decoded, cpu_decode(scheme, payload.cpu(), n))
+    with gpu.disabled():
+        assert torch.equal(scheme.decode(payload, n).cpu(), decoded)
