@@ -284,6 +284,18 @@ def _code_bytes(width: int, n: int) -> int:
     return wire.codes_nbytes(n, width)
 
 
+_CLIPS: dict[tuple[float, torch.device], torch.Tensor] = {}
+
+
+def _clip_tensor(clip: float, device: torch.device) -> torch.Tensor:
+    """TernGrad's clip factor as a float64 device tensor, made once per (clip, device): a
+    copy from the host at every encode would wait for the device."""
+    key = (clip, device)
+    if key not in _CLIPS:
+        _CLIPS[key] = torch.tensor([clip], dtype=torch.float64, device=device)
+    return _CLIPS[key]
+
+
 def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).to(torch.float32).contiguous()
 
@@ -312,7 +324,7 @@ def encode(codec: str, x: torch.Tensor, bucket_size: int, *, bits: int = 1, l2: 
         return out, (torch.empty_like(g) if residual is not None else None)
     scales = out[code_bytes:].view(torch.float32) if code_bytes % 4 == 0 \
         else torch.empty(buckets, dtype=torch.float32, device=g.device)
-    clip_t = torch.tensor([float(clip or 0.0)], dtype=torch.float64, device=g.device)
+    clip_t = _clip_tensor(float(clip or 0.0), g.device)
     if seed is None:
         seed = torch.zeros(1, dtype=torch.int64, device=g.device)
     levels = (1 << (bits - 1)) - 1 if kind == QSGD else 1
