@@ -208,6 +208,16 @@ def check_hierarchy(hierarchy: str | None, scheme: Any, *, collectives: str = "h
         raise ValueError(f"{where} is not supported under horovodrun's elastic mode")
 
 
+def refuse_in_tensorflow(hierarchy: str | None) -> None:
+    """``ValueError`` for a ``hierarchy=`` other than ``None`` given to the TensorFlow
+    binding, which has no two-level exchange yet."""
+    if hierarchy is not None:
+        raise ValueError(f"hierarchy={hierarchy!r}: two-level compression is available in "
+                         "the PyTorch optimizer only (hvd_compress.torch.DistributedOptimizer"
+                         "(..., hierarchy='host')); the TensorFlow binding exchanges flat: "
+                         "pass hierarchy=None (docs/user-guide.md#two-level-compression)")
+
+
 def horovod_pipeline(hvd: Any, scheme: Scheme, policy: Policy | None, ps: str | None,
                      session: str | None, connect_timeout: float | None,
                      **options: Any) -> HierarchicalPipeline:

@@ -157,3 +157,16 @@ def test_unplanned_tensors_and_the_layout() -> None:
         state = pipes[0].state_dict()
         state["hierarchy"] = {**state["hierarchy"], "ranks_per_host": 4}
         pipes[0].load_state_dict(state)
+
+
+@pytest.mark.tensorflow
+def test_the_tensorflow_binding_refuses_a_hierarchy() -> None:
+    tf = pytest.importorskip("tensorflow")
+    keras = pytest.importorskip("keras")
+    from hvd_compress.tensorflow import DistributedGradientTape
+    from hvd_compress.tensorflow.keras import DistributedOptimizer
+
+    with pytest.raises(ValueError, match="PyTorch optimizer only"):
+        DistributedGradientTape(tf.GradientTape(), hierarchy="host")
+    with pytest.raises(ValueError, match="PyTorch optimizer only"):
+        DistributedOptimizer(keras.optimizers.SGD(), hierarchy="host")

@@ -16,6 +16,7 @@ import keras
 import numpy as np
 
 from hvd_compress.binding import check_wrappable
+from hvd_compress.hierarchy import refuse_in_tensorflow
 from hvd_compress.pipeline import DEFAULT_REPORT_EVERY
 from hvd_compress.policy import Policy
 from hvd_compress.stats import CompressionStats, StatsLogger
@@ -130,6 +131,7 @@ def DistributedOptimizer(
     ps: str | None = None,
     connect_timeout: float | None = None,
     report_every: int = DEFAULT_REPORT_EVERY,
+    hierarchy: str | None = None,
 ) -> keras.optimizers.Optimizer:
     """A Keras 3 optimizer that exchanges gradients with ``compression`` before every update:
     a scheme of :class:`hvd_compress.Compression` (default ``Compression.none``), or
@@ -166,6 +168,8 @@ def DistributedOptimizer(
             ``$HVD_COMPRESS_PS_CONNECT_TIMEOUT``, else 10 s); a value that is not > 0
             raises ``ValueError`` here. Failures after a server has answered are retried
             for ``$HVD_COMPRESS_PS_RETRY_TIMEOUT`` (60 s).
+        hierarchy: ``None`` only: ``hierarchy="host"`` (two-level compression) is the
+            PyTorch optimizer's; here it raises ``ValueError`` saying so.
         report_every: how often :attr:`compression_feedback` measures the compression
             error of a tensor without error feedback: every ``report_every``-th step
             (default 10; 1: every step; 0: never), as on the PyTorch optimizer.
@@ -177,6 +181,7 @@ def DistributedOptimizer(
     compound), 1-bit and random-k warn for momentum of 0.9 or more.
     """
     del device_dense, device_sparse  # the exchange runs on the gradients' own device
+    refuse_in_tensorflow(hierarchy)  # the PyTorch optimizer's option only, for now
     check_wrappable(optimizer)  # not OneBitAdam, which exchanges by itself
     compression = check_arguments(
         compression, op, gradient_predivide_factor, groups, num_groups,

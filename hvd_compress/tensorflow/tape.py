@@ -7,6 +7,7 @@ from typing import Any
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
+from hvd_compress.hierarchy import refuse_in_tensorflow
 from hvd_compress.pipeline import DEFAULT_REPORT_EVERY
 from hvd_compress.policy import Policy
 from hvd_compress.tensorflow.exchange import (
@@ -85,6 +86,7 @@ def DistributedGradientTape(
     ps: str | None = None,
     connect_timeout: float | None = None,
     report_every: int = DEFAULT_REPORT_EVERY,
+    hierarchy: str | None = None,
 ) -> tf.GradientTape:
     """Wrap ``gradtape`` so that ``gradient()`` returns gradients averaged over all ranks and
     exchanged with ``compression``: a scheme of :class:`hvd_compress.Compression` (default
@@ -127,6 +129,8 @@ def DistributedGradientTape(
             ``$HVD_COMPRESS_PS_CONNECT_TIMEOUT``, else 10 s); a value that is not > 0
             raises ``ValueError`` here. Failures after a server has answered are retried
             for ``$HVD_COMPRESS_PS_RETRY_TIMEOUT`` (60 s).
+        hierarchy: ``None`` only: ``hierarchy="host"`` (two-level compression) is the
+            PyTorch optimizer's; here it raises ``ValueError`` saying so.
         report_every: how often ``tape.compression_feedback`` measures the compression
             error of a tensor without error feedback (fp16, TernGrad, QSGD, the vote):
             every ``report_every``-th step (default 10; 1: every step; 0: never), as on the
@@ -136,6 +140,7 @@ def DistributedGradientTape(
     ``groups``/``num_groups`` and ``op=hvd.Adasum`` raise ``ValueError``.
     """
     del device_dense, device_sparse  # the exchange runs on the gradients' own device
+    refuse_in_tensorflow(hierarchy)  # the PyTorch optimizer's option only, for now
     compression = check_arguments(compression, op, gradient_predivide_factor, groups,
                                   num_groups)
     exchange = compression_state(compression).exchange_for(
