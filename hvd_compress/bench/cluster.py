@@ -268,6 +268,19 @@ def _run_direct(commands: list[list[str]], timeout: float, directory: Path,
     raise LaunchError(f"{what}{output}{_stacks(directory)}")
 
 
+def _rows(directory: Path) -> list[Row]:
+    """The rows a launch wrote; :class:`LaunchError` with the tails of its logs and stacks
+    when its processes all ended well but left no readable result (the directory, and
+    with it the cause, is gone once the launch is reported)."""
+    try:
+        return json.loads((directory / "rows.json").read_text())
+    except (OSError, ValueError) as exc:
+        logs = "".join(f"\n--- {log.name}:\n{log.read_text(errors='replace')[-4000:]}"
+                       for log in sorted(directory.glob("*.log")))
+        raise LaunchError(f"the launch ended without a result ({exc}){logs}"
+                          f"{_stacks(directory)}") from exc
+
+
 def _stacks(directory: Path) -> str:
     return "".join(f"\n{path.stem}:\n{path.read_text()[-4000:]}"
                    for path in sorted(directory.glob("stacks-rank*.txt")) if path.stat().st_size)
@@ -430,13 +443,13 @@ def measure_link(plan: Plan, rate: str, digits: bool = False) -> list[Row]:
                     try:
                         _launch_with_progress(system, plan, model, workers, directory,
                                               29400 + index, rate, budget)
+                        got = _rows(directory)
                     except LaunchError as failure:
                         # Reported with its cause; the other launches go on.
                         failed.append(failed_row(system, model, rate, failure))
                         plan.progress(f"[{rate}] {model} {system.label}: the launch failed: "
                                       f"{str(failure).splitlines()[0]}")
                         continue
-                    got = json.loads((directory / "rows.json").read_text())
                 for row in got:
                     row.update(system=system.label, link=rate, link_bits=rate_bits(rate),
                                latency_ms=plan.latency_ms, ranks=plan.world,
