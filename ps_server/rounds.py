@@ -52,6 +52,7 @@ from typing import Any
 
 import numpy as np
 
+from hvd_compress.native import available as native_available
 from hvd_compress.native import round as native_round
 from hvd_compress.native import sparse as native_sparse
 from hvd_compress.sparse_wire import (
@@ -203,7 +204,7 @@ def encode_aggregate(tensor: str, shard: int, shards: int, finished: Finished, s
     """The aggregate frame of ``finished`` in ``dtype`` (what :func:`encode_frame` gives),
     written in one native pass for float32 values when the library is available."""
     idx, val = finished.indices, finished.values
-    if dtype is ValueDType.FP32 and native_sparse.varint_index_nbytes(idx[:0]) is not None:
+    if dtype is ValueDType.FP32 and native_available():
         name = tensor.encode("utf-8")
         count = int(idx.size)
         sizes = {IndexCoding.VARINT: native_sparse.varint_index_nbytes(idx) + 4 * count,
