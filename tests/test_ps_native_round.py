@@ -165,6 +165,10 @@ def test_decreasing_indices_are_refused():
         native_round.close_round([(idx, np.ones(2, np.float32))], 10000, None, 2)
     with pytest.raises(ValueError, match="strictly increasing"):  # no frame holds them
         frame(0, 0, [3, 3], [1.0, 1.0], 10)
+    residual = np.ones(10, np.float32)
+    with pytest.raises(ValueError, match="strictly increasing"):  # nor a journaled sum
+        native_round.topk(residual, np.array([5, 3]), np.ones(2, np.float32), 1)
+    assert (residual == 1.0).all()
 
 
 @pytest.mark.parametrize("count, coding, numel", [

@@ -102,6 +102,8 @@ def topk(residual: np.ndarray, indices: np.ndarray, values: np.ndarray, k: int
     out_val = np.empty(k, dtype=np.float32)
     status = lib.hvdc_topk(_ptr(residual), numel, _ptr(indices), _ptr(values),
                            indices.size, k, _ptr(out_idx), _ptr(out_val))
+    if status == -1:
+        raise ValueError("the union sum's indices must be strictly increasing")
     if status == NON_FINITE:
         return _dense_sum(residual, indices, values)
     return out_idx[:status], out_val[:status]

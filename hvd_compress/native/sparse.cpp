@@ -101,27 +101,31 @@ extern "C" {
 // Server-side error feedback of mode topk: s = residual + (the union sum: n pairs at
 // strictly increasing u_idx), then the k entries of largest |s| (ties: the lower index)
 // go to out_idx (increasing) and out_val, and residual <- s with those entries set to
-// 0.0f. Returns min(k, numel), or -2 when s is not finite anywhere: the residual is then
-// left as it was (the caller returns s whole).
+// 0.0f. Returns min(k, numel); -2 when s is not finite anywhere: the residual is then
+// left as it was (the caller returns s whole); -1 if u_idx is not strictly increasing.
 //
-// One pass over s keeps the candidates, the entries whose |s| reaches a threshold t
-// estimated from a fixed sample (every numel / 2**13-th entry), and checks that s is
-// finite; the k-th largest |s| among them is exact when at least k reach t (else the pass
-// runs again with a lower t, down to 0), and the winners are written in index order. The sample only
-// decides how many candidates there are, never which entries win.
+// One pass over the residual adds the sum in (in order, so memory is read sequentially),
+// checks that s is finite and keeps the candidates: the entries whose |s| reaches a
+// threshold t estimated from a fixed sample (every numel / 2**13-th entry). The k-th
+// largest |s| among them is exact when at least k reach t (else the pass runs again with
+// a lower t, down to 0, the sum already added), and the winners are written in index
+// order. The sample only decides how many candidates there are, never which entries win.
 int64_t hvdc_topk(float* residual, int64_t numel, const int64_t* u_idx, const float* u_val,
                   int64_t n, int64_t k, int64_t* out_idx, float* out_val) {
-    std::vector<float> old(size_t(n > 0 ? n : 1));
-    for (int64_t j = 0; j < n; ++j) {
-        old[j] = residual[u_idx[j]];
-        residual[u_idx[j]] = old[j] + u_val[j];
-    }
+    for (int64_t j = 1; j < n; ++j)
+        if (u_idx[j] <= u_idx[j - 1]) return -1;
     if (k > numel) k = numel;
     const int64_t stride = numel > (1 << 13) ? numel >> 13 : 1;
-    std::vector<uint32_t> sample;  // sorted in decreasing order
+    std::vector<uint32_t> sample;  // |s| at every stride-th entry, in decreasing order
     if (k > 0 && k < numel) {
         sample.reserve(size_t(numel / stride + 1));
-        for (int64_t i = 0; i < numel; i += stride) sample.push_back(magnitude(residual[i]));
+        const int64_t* u = u_idx;
+        const int64_t* const u_end = u_idx + n;
+        for (int64_t i = 0; i < numel; i += stride) {
+            u = std::lower_bound(u, u_end, i);
+            const float add = u != u_end && *u == i ? u_val[u - u_idx] : 0.0f;
+            sample.push_back(magnitude(residual[i] + add));
+        }
         std::sort(sample.begin(), sample.end(), std::greater<uint32_t>());
     }
     // The sample's entry of rank k / stride with a margin; 4 times further at each miss.
@@ -130,41 +134,62 @@ int64_t hvdc_topk(float* residual, int64_t numel, const int64_t* u_idx, const fl
     // The lowest threshold but one keeps every non-zero entry (magnitude >= 1); 0 keeps all.
     auto threshold = [&]() { return rank < sample.size() ? std::max(sample[rank], 1u) : 1u; };
     uint32_t t = threshold();
+    std::vector<float> old(size_t(n > 0 ? n : 1));  // the residual where the sum is added
     std::vector<int64_t> cand;
+    std::vector<uint32_t> mags;  // |s| of each candidate
     uint32_t worst = 0;
+    bool added = false;
     for (;;) {
         cand.clear();
+        mags.clear();
         cand.reserve(size_t(k > 0 ? 2 * k : 1));
-        int64_t i = 0;
+        mags.reserve(size_t(k > 0 ? 2 * k : 1));
+        int64_t i = 0, j = 0;
+        auto add_below = [&](int64_t end) {  // the sum's pairs below `end`, first pass only
+            for (; !added && j < n && u_idx[j] < end; ++j) {
+                old[j] = residual[u_idx[j]];
+                residual[u_idx[j]] = old[j] + u_val[j];
+            }
+        };
 #if defined(__AVX2__)
         // 64 entries at a time: their magnitudes' maximum and a mask of those >= t.
         const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF);
         const __m256i below = _mm256_set1_epi32(int(t) - 1);  // m >= t iff m > t - 1
         __m256i most = _mm256_setzero_si256();
         for (; i + 64 <= numel; i += 64) {
+            add_below(i + 64);
             uint64_t hits = 0;
-            for (int j = 0; j < 64; j += 8) {
+            for (int l = 0; l < 64; l += 8) {
                 const __m256i m = _mm256_and_si256(
-                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(residual + i + j)),
+                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(residual + i + l)),
                     abs_mask);
                 most = _mm256_max_epu32(most, m);
                 const int bits = _mm256_movemask_ps(
                     _mm256_castsi256_ps(_mm256_cmpgt_epi32(m, below)));
-                hits |= uint64_t(unsigned(bits)) << j;
+                hits |= uint64_t(unsigned(bits)) << l;
             }
-            for (; hits; hits &= hits - 1) cand.push_back(i + __builtin_ctzll(hits));
+            for (; hits; hits &= hits - 1) {
+                const int64_t at = i + __builtin_ctzll(hits);
+                cand.push_back(at);
+                mags.push_back(magnitude(residual[at]));
+            }
         }
         alignas(32) uint32_t lanes[8];
         _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), most);
         for (uint32_t m : lanes) worst = m > worst ? m : worst;
 #endif
+        add_below(numel);
         for (; i < numel; ++i) {
             const uint32_t m = magnitude(residual[i]);
             worst = m > worst ? m : worst;
-            if (m >= t) cand.push_back(i);
+            if (m >= t) {
+                cand.push_back(i);
+                mags.push_back(m);
+            }
         }
+        added = true;
         if (worst >= kNonFinite) {
-            for (int64_t j = n - 1; j >= 0; --j) residual[u_idx[j]] = old[j];
+            for (int64_t r = n - 1; r >= 0; --r) residual[u_idx[r]] = old[r];
             return -2;
         }
         if (int64_t(cand.size()) >= k || t == 0) break;
@@ -174,8 +199,6 @@ int64_t hvdc_topk(float* residual, int64_t numel, const int64_t* u_idx, const fl
         t = t == 1 ? 0 : std::min(threshold(), t - 1);
     }
     if (k <= 0) return 0;
-    std::vector<uint32_t> mags(cand.size());
-    for (size_t c = 0; c < cand.size(); ++c) mags[c] = magnitude(residual[cand[c]]);
     std::vector<uint32_t> order(mags);
     std::nth_element(order.begin(), order.begin() + (k - 1), order.end(),
                      std::greater<uint32_t>());
@@ -189,10 +212,10 @@ int64_t hvdc_topk(float* residual, int64_t numel, const int64_t* u_idx, const fl
             if (!ties) continue;
             --ties;
         }
-        const int64_t i = cand[c];
-        out_idx[written] = i;
-        out_val[written++] = residual[i];
-        residual[i] = 0.0f;
+        const int64_t at = cand[c];
+        out_idx[written] = at;
+        out_val[written++] = residual[at];
+        residual[at] = 0.0f;
     }
     return written;
 }
