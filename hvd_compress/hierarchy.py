@@ -2,9 +2,11 @@
 
 Per step and tensor, on a job of ``H`` hosts with ``L`` ranks each::
 
-    gradient -> dense sum over the host's L ranks (one all-reduce inside the host)
-             -> this local rank's piece of the host sum -> the scheme's exchange across the
-                H hosts, among the ranks of this local rank (a Pipeline of its own)
+    gradient -> dense sum of this local rank's piece over the host's L ranks (a
+                reduce-scatter inside the host: an all-to-all of the pieces, summed in
+                local rank order)
+             -> the scheme's exchange of that piece across the H hosts, among the ranks of
+                this local rank (a Pipeline of its own)
              -> all-gather of every local rank's aggregated pieces inside the host
              -> average over H * L -> gradient for the optimizer
 
@@ -41,7 +43,7 @@ from typing import Any
 import torch
 
 from hvd_compress.comm.base import Communicator
-from hvd_compress.comm.ops import AllGather, AllReduce
+from hvd_compress.comm.ops import AllGather, AllReduce, AllToAll
 from hvd_compress.comm.threads import ThreadGroup
 from hvd_compress.errors import NonFiniteGradientError
 from hvd_compress.fusion import assign_buckets
@@ -320,7 +322,8 @@ class _CrossPipeline(Pipeline):
 @dataclass
 class _Tensor:
     grad: torch.Tensor
-    handle: Any = None  # its sum inside the host, started
+    started: bool = False  # its sum inside the host
+    handle: Any = None  # the all-to-all of that sum, or this rank's own part (one rank)
     forwarded: bool = False  # its pieces are in the pipeline across hosts
 
 
@@ -447,11 +450,11 @@ class HierarchicalPipeline:
             raise TypeError(f"tensor {name!r}: hvd_compress exchanges dense floating-point "
                             f"gradients, got {grad.layout} {grad.dtype}")
         tensor = self._tensors[name] = _Tensor(grad)
-        if getattr(self.local, "ordered", False):
-            return
-        self._start_sum(name, tensor)
         bucket = self._bucket_of.get(name)
-        if bucket is None or not all(n in self._tensors for n in self._buckets[bucket]):
+        if bucket is None or getattr(self.local, "ordered", False):
+            return  # started at wait(), in an order every rank reproduces
+        self._start_sum(name, tensor)
+        if not all(n in self._tensors for n in self._buckets[bucket]):
             return
         self._complete.append(bucket)
         while len(self._complete) > 1:
@@ -465,23 +468,38 @@ class HierarchicalPipeline:
         if tensor.forwarded:
             return
         started = time.perf_counter()
-        summed = self.local.wait(tensor.handle)
-        assert isinstance(summed, torch.Tensor)
+        parts = [tensor.handle] if self.local.size == 1 else self.local.wait(tensor.handle)
         self._current.seconds[f"wait {HOST_ROUND}"] += time.perf_counter() - started
+        tensor.forwarded, tensor.handle = True, None
+        mine = [p for p in self._pieces[name] if p.owner == self.local.rank]
+        if not mine:
+            return
+        (piece,) = mine  # one piece of a tensor per local rank at most
+        dtype = parts[0].dtype
+        wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        summed = parts[0].to(wide, copy=True)
+        for part in parts[1:]:  # in local rank order, as every host does
+            summed += part
+        self.inner.submit(piece.key, summed.to(dtype).view(piece.shape))
+
+    def _start_sum(self, name: str, tensor: _Tensor) -> None:
+        """Start the tensor's sum inside the host as a reduce-scatter: an all-to-all that
+        sends each local rank's piece to it (summed there, in local rank order)."""
         if name not in self._pieces:  # a tensor no plan named: cut now, on every rank alike
             self._pieces.update(cut([name], [tensor.grad.shape], self.local.size, self.split,
                                     self._loads))
             self._register([name])
-        summed = summed.reshape(-1)
-        for piece in self._pieces[name]:
-            if piece.owner == self.local.rank:
-                self.inner.submit(piece.key, summed[piece.start:piece.stop].view(piece.shape))
-        tensor.forwarded, tensor.handle = True, None
-
-    def _start_sum(self, name: str, tensor: _Tensor) -> None:
         grad = tensor.grad
-        x = (grad / self.prescale if self.prescale != 1.0 else grad.clone()).contiguous()
-        tensor.handle = self.local.start(f"hvdc.host.{name}", AllReduce(HOST_ROUND, x, True))
+        x = (grad / self.prescale if self.prescale != 1.0 else grad).reshape(-1)
+        tensor.started = True
+        if self.local.size == 1:
+            tensor.handle = x
+            return
+        splits = [0] * self.local.size  # pieces lie in local rank order
+        for piece in self._pieces[name]:
+            splits[piece.owner] += piece.numel
+        tensor.handle = self.local.start(f"hvdc.host.{name}",
+                                         AllToAll(HOST_ROUND, x, tuple(splits)))
         self._current.collective_bytes[HOST_ROUND] += x.numel() * x.element_size()
         self._current.collectives += 1
 
@@ -497,7 +515,7 @@ class HierarchicalPipeline:
         names = self._sorted(list(tensors))
         try:
             for name in names:
-                if tensors[name].handle is None and not tensors[name].forwarded:
+                if not tensors[name].started:
                     self._start_sum(name, tensors[name])
             for name in names:
                 self._forward(name)
