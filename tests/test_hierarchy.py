@@ -9,7 +9,14 @@ import torch
 
 from hvd_compress import Compression, NonFiniteGradientError, Pipeline, Policy
 from hvd_compress.comm.threads import ThreadGroup
-from hvd_compress.hierarchy import HierarchicalPipeline, HostLayout, cut, split_of
+from hvd_compress.hierarchy import (
+    HierarchicalPipeline,
+    HostLayout,
+    check_hierarchy,
+    cut,
+    host_key,
+    split_of,
+)
 from tests.threaded import on_threads
 
 HOSTS, LOCAL = 2, 2
@@ -157,6 +164,23 @@ def test_unplanned_tensors_and_the_layout() -> None:
         state = pipes[0].state_dict()
         state["hierarchy"] = {**state["hierarchy"], "ranks_per_host": 4}
         pipes[0].load_state_dict(state)
+
+
+def test_options_the_optimizer_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
+    scheme = Compression.onebit()
+    check_hierarchy(None, scheme, collectives="gloo", ps="mpi")  # flat: anything goes
+    for kwargs, words in [({"hierarchy": "rack"}, "one of"),
+                          ({"collectives": "gloo"}, "collectives='horovod'"),
+                          ({"ps": "mpi"}, "gRPC servers only")]:
+        with pytest.raises(ValueError, match=words):
+            check_hierarchy(kwargs.pop("hierarchy", "host"), scheme, **kwargs)
+    with pytest.raises(ValueError, match=r"Compression\.auto"):
+        check_hierarchy("host", Compression.auto())
+    monkeypatch.setenv("HVD_COMPRESS_RANKS_PER_HOST", "2")
+    assert [host_key(r, "horovod's") for r in range(4)] == [0, 0, 1, 1]
+    monkeypatch.setenv("HVD_COMPRESS_RANKS_PER_HOST", "0")
+    with pytest.raises(ValueError, match="RANKS_PER_HOST"):
+        host_key(0, "horovod's")
 
 
 @pytest.mark.tensorflow
