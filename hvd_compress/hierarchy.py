@@ -27,7 +27,8 @@ piece (its residual is that of the host sum's piece); the routes (compress or se
 are those the policy gives the whole tensor. The dense sum inside the host is exact for
 integer-valued gradients, so ``Compression.none`` gives the flat route's aggregate bit for
 bit then. Which ranks share a host: Horovod's (``hvd.cross_rank()``, ``hvd.local_rank()``),
-or ``$HVD_COMPRESS_RANKS_PER_HOST`` consecutive ranks (to emulate hosts on one machine).
+split by network namespace (emulated hosts on one machine), or
+``$HVD_COMPRESS_RANKS_PER_HOST`` consecutive ranks (to emulate hosts without namespaces).
 See docs/user-guide.md#two-level-compression.
 """
 
@@ -141,6 +142,15 @@ def host_key(rank: int, horovod_key: Any) -> Any:
     return rank // k
 
 
+def network_namespace() -> int | None:
+    """This process's network namespace (the inode of ``/proc/self/ns/net``), or ``None``
+    where it cannot be read."""
+    try:
+        return os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        return None
+
+
 def solo() -> Communicator:
     """A communicator of one rank (collectives return this rank's own input)."""
     return ThreadGroup(1).communicator(0)
@@ -155,7 +165,9 @@ def horovod_host_communicators(hvd: Any) -> tuple[HostLayout, Communicator, Comm
 
     from hvd_compress.comm.horovod_torch import HorovodTorchCommunicator
 
-    keys = hvd.allgather_object(host_key(hvd.rank(), hvd.cross_rank()))
+    # Horovod's host, split by network namespace: ranks of one machine in different
+    # namespaces (an emulated cluster, where MPI sees one node) are different hosts.
+    keys = hvd.allgather_object(host_key(hvd.rank(), (hvd.cross_rank(), network_namespace())))
     layout = HostLayout.from_keys(keys, hvd.rank())
     registered = {tuple(ranks): pid for pid, ranks in
                   sets._basics._get_process_set_ids_and_ranks().items()}

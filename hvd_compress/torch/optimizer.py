@@ -391,8 +391,8 @@ def DistributedOptimizer(
             other. ``"host"``: two-level compression: the ranks of a host first sum their
             gradients dense, then each local rank exchanges its slice of every tensor
             (PowerSGD: whole tensors) compressed across hosts, and the host all-gathers the
-            result (:mod:`hvd_compress.hierarchy`). Hosts are Horovod's, or
-            ``$HVD_COMPRESS_RANKS_PER_HOST`` consecutive ranks; needs
+            result (:mod:`hvd_compress.hierarchy`). Hosts are Horovod's (split by
+            network namespace), or ``$HVD_COMPRESS_RANKS_PER_HOST`` consecutive ranks; needs
             ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` (or the sets registered at ``hvd.init``),
             ``collectives="horovod"`` and the global process set; a ``ps=`` server is then
             started with ``--workers`` the number of hosts. See
