@@ -26,7 +26,10 @@ aggregate is the sum of those ``K`` pushes, and the workers who pushed are its
 worker keeps those pairs in its error-feedback residual and sends them in a later round,
 and pulls the closed round's aggregate like everyone else, so every replica applies the
 same sums and no gradient mass is lost. The last ``Quorum.keep`` closed rounds stay
-available to late pulls.
+available to late pulls. The refusal names the open round
+(:func:`~hvd_compress.ps_protocol.late_detail`): the late worker only pulls the rounds
+before it and may skip computing their gradients
+(:func:`hvd_compress.comm.parameter_server.skip_behind`).
 
 Round ``r + 1`` then opens. The last finished round's aggregate stays available to pulls.
 A retransmitted push (same worker, round and content, told apart by the frame's CRC) is

@@ -145,7 +145,8 @@ def _train_worker(address: str, rank: int, args: argparse.Namespace, mode: str,
     optimizer = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}[kind](
         model.parameters(), **options)
     client = PSClient(address, rank, timeout=300, retry_timeout=60)
-    comm = ParameterServerCommunicator(SparseOnly(rank, args.workers), client, args.task)
+    comm = ParameterServerCommunicator(SparseOnly(rank, args.workers), client, args.task,
+                                       scale_partial=args.scale_partial)
     pipeline = Pipeline(TopK(0.01), comm, Policy(min_numel=0, compress_1d=True))
     params = dict(model.named_parameters())
     gen = torch.Generator().manual_seed(1000 + rank)
@@ -208,7 +209,9 @@ def train_main(args: argparse.Namespace, modes: list[str]) -> int:
     steps = TRAIN[args.task]["steps"]
     print(f"--task {args.task}: {args.workers} workers, {steps} rounds, top-k 1 % of every "
           f"tensor; worker {args.workers - 1} sleeps {args.delay * args.compute:g} s on every "
-          f"{args.every}th step it computes; quorum {args.quorum}, grace {args.grace:g} s")
+          f"{args.every}th step it computes; quorum {args.quorum}, grace {args.grace:g} s, "
+          f"{'scaled to the contributors' if args.scale_partial else 'unscaled'}, "
+          f"seed {args.seed}")
     print(f"{'run':<30} {'held-out loss':>13} {'accuracy':>9} {'job step':>9} "
           f"{'computed':>9} {'partial':>7} replicas")
     for mode in _launches(args.repeat, modes):
@@ -246,6 +249,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="train this model instead (compute is real; --compute only "
                         "scales the delay)")
     parser.add_argument("--seed", type=int, default=0, help="--task's initial weights")
+    parser.add_argument("--unscaled", dest="scale_partial", action="store_false",
+                        help="--task: average a round closed without a worker over all "
+                        "workers (scale_partial=False), not over its contributors")
     args = parser.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = sorted(set(modes) - set(MODES))
