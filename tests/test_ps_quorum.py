@@ -444,3 +444,29 @@ def test_the_stragglers_bench_runs_every_mode(capsys):
     for label in stragglers.MODES.values():
         computed = int(rows[label].split()[-3].split("/")[0])
         assert computed <= 4 and (computed == 4 or "skipping" in label), out
+
+
+def test_a_pull_only_round_sends_no_push_over_mpi():
+    """A round the worker skips (``push=False``): the MPI client sends each shard its pull
+    only, and gets the round that closed without it."""
+    services = {10 + s: ShardService(ShardStore(3, s, 2, deadline=10.0,
+                                                quorum=Quorum(3, 2, 0.0))) for s in range(2)}
+    for s, w in ((0, 0), (0, 1), (1, 0), (1, 1)):
+        services[10 + s].push(encode_frame(Kind.PUSH, "s/t", s, 2, 0, w, 10,
+                                           np.array([s + w]), np.array([1.0], np.float32)),
+                              "x", w)
+    client = MPIPSClient.__new__(MPIPSClient)
+    ShardedClient.__init__(client, 2, None)
+    world = _LoopWorld(services, 2)
+    sent: list[str] = []
+    isend = world.isend
+    world.isend = lambda message, dest, tag: (sent.append(message[0]), isend(message, dest,
+                                                                           tag))[1]
+    client.world, client.servers = world, [10, 11]
+    client.addresses = ["mpi rank 10", "mpi rank 11"]
+    pending = client.start("s/t", 0, 20, torch.tensor([3]), torch.tensor([7.0]), push=False)
+    indices, values = client.finish(pending)
+    assert sent == ["pull", "pull"] and pending.pull_only and pending.pushes == []
+    assert (indices.tolist(), values.tolist()) == ([0, 1, 11, 12], [1.0, 1.0, 1.0, 1.0])
+    assert pending.missing == [1, 1]
+    assert all(service.store.late_pushes == 0 for service in services.values())
