@@ -15,8 +15,9 @@ second host.) Top-k through parameter servers: start them with ``--workers`` equ
 127.0.0.1:1" > /tmp/hosts`` adds a worker at the next commit, writing ``localhost:2``
 again removes it; a worker killed outright is dropped and the others go on from the last
 commit. The model, the SGD state and the compression state (residuals, PowerSGD's ``Q``)
-travel in :class:`hvd_compress.torch.elastic.TorchState`; docs/elastic.md says what happens
-to each at a resize.
+travel in :class:`hvd_compress.torch.elastic.TorchState` (``--scheme onebit_adam``:
+:class:`hvd_compress.torch.OneBitAdam`, its frozen variance with its Adam state);
+docs/elastic.md says what happens to each at a resize.
 
 Each step every rank draws its batch from its shard of the training set (``rank::size``
 of the current world) with a generator seeded by the step, so a step recomputed after a
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable
+from typing import Any
 
 import horovod.torch as hvd
 import torch
@@ -35,7 +37,7 @@ from torch import nn
 
 from hvd_compress import Compression, Policy
 from hvd_compress.schemes.dgc import DGC
-from hvd_compress.torch import DistributedOptimizer
+from hvd_compress.torch import DistributedOptimizer, OneBitAdam
 from hvd_compress.torch.elastic import TorchState
 
 try:
@@ -54,6 +56,10 @@ def build(scheme: str, lr: float, momentum: float, seed: int, ps: str | None,
     ``ps_workers``: the servers' ``--workers`` (``--max-np``) when ``ps`` is given."""
     torch.manual_seed(seed)
     model = make_model()
+    if scheme == "onebit_adam":  # exchanges by itself; its variance freezes at step 10
+        adam = OneBitAdam(model.parameters(), lr=lr / 50, freeze_step=10,
+                          named_parameters=model.named_parameters(), seed=seed)
+        return TorchState(model, adam, pool_on_commit=pool_on_commit, step=0)
     compression = Compression.parse(scheme)
     optimizer = DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=lr,
@@ -90,7 +96,13 @@ def train(state: TorchState, steps: int, batch_size: int = 32, seed: int = 0,
             if state.step % commit_every == 0:
                 state.commit()
 
-    resets = [0]  # not an attribute of the state: a restore would roll it back
+    return count_resets(state, loop)
+
+
+def count_resets(state: Any, loop: Callable[[Any], None]) -> int:
+    """Run the elastic function ``loop`` on ``state``; the number of resets this process
+    went through (counted outside the state: a restore would roll it back)."""
+    resets = [0]
     state.register_reset_callbacks([lambda: resets.__setitem__(0, resets[0] + 1)])
     loop(state)
     return resets[0]
@@ -99,7 +111,8 @@ def train(state: TorchState, steps: int, batch_size: int = 32, seed: int = 0,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scheme", default="powersgd:rank=2,start_iter=0",
-                        help="compression scheme (see Compression.parse)")
+                        help="compression scheme (see Compression.parse), or onebit_adam "
+                             "for hvd_compress.torch.OneBitAdam")
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--momentum", type=float, default=0.5)
@@ -122,14 +135,19 @@ def main() -> None:
                   args.pool_on_commit, args.ps_workers)
     resets = train(state, args.steps, seed=args.seed, commit_every=args.commit_every)
     _, _, x_test, y_test = load_split(args.seed)
-    acc = accuracy(state.model, x_test, y_test)
     if hvd.rank() == 0:
-        print(f"[{args.scheme}] {args.steps} steps, {resets} resets, final world "
-              f"{hvd.size()}: test acc {acc:.2f}%", flush=True)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"scheme": args.scheme, "accuracy": acc, "resets": resets,
-                           "size": hvd.size()}, f)
+        report(args.scheme, args.steps, resets, hvd.size(),
+               accuracy(state.model, x_test, y_test), args.json)
+
+
+def report(scheme: str, steps: int, resets: int, size: int, acc: float,
+           json_path: str | None) -> None:
+    """Print rank 0's result, and write it to ``json_path`` as JSON if given."""
+    print(f"[{scheme}] {steps} steps, {resets} resets, final world {size}: test acc "
+          f"{acc:.2f}%", flush=True)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"scheme": scheme, "accuracy": acc, "resets": resets, "size": size}, f)
 
 
 if __name__ == "__main__":

@@ -50,7 +50,10 @@ def with_servers(dense: Communicator, ps: str | None, process_set: Any,
     ``$HVD_COMPRESS_PS_CONNECT_TIMEOUT`` or 10 s)."""
     if not ps:
         return dense
-    session = broadcast_session(process_set)
+    # Under horovodrun elastic a rank that joins later builds its exchange alone: no
+    # collective here; hvd_compress.tensorflow.elastic.KerasState's sync gives the session.
+    session = (os.urandom(SESSION_BYTES).hex() if os.environ.get("HOROVOD_ELASTIC") == "1"
+               else broadcast_session(process_set))
     return ParameterServerCommunicator(
         dense, connect(ps, dense.rank, connect_timeout=connect_timeout), session)
 
