@@ -11,7 +11,21 @@ import pytest
 
 import hvd_compress.native as native
 from hvd_compress.native import round as native_round
-from hvd_compress.sparse_wire import SERVER_ID, IndexCoding, Kind, decode_frame, encode_frame
+from hvd_compress.native.sparse import (
+    varint_decode_indices,
+    varint_encode_indices,
+    varint_index_nbytes,
+)
+from hvd_compress.sparse_wire import (
+    SERVER_ID,
+    IndexCoding,
+    Kind,
+    decode_frame,
+    encode_frame,
+    varint_decode,
+    varint_encode,
+    varint_nbytes,
+)
 from ps_server.rounds import Finished, Quorum, close_pushes, encode_aggregate, new_state
 from ps_server.service import ShardService
 from ps_server.store import ConflictingPush, ShardStore
@@ -261,3 +275,83 @@ def test_a_restart_resumes_the_topk_residual_exactly_on_either_route(tmp_path, r
         assert restarted.store.rounds() == {"w": 5} and restarted.journaled == 0
         assert_same_bits(restarted.store.tensors["w"].residual, residual)
         assert serve(restarted, range(5, 8)) == expected
+
+
+# The varint fast paths (sparse.cpp: 32-byte blocks in hvdc_varint_decode, four gaps at a
+# time in hvdc_varint_nbytes) against the numpy coding, on sections long enough to use them.
+BOUNDARY_GAPS = [0, 1, 126, 127, 128, 129, 2**14 - 1, 2**14, 2**14 + 1, 2**21 - 1, 2**21,
+                 2**28 - 1, 2**28, 2**31, 2**32 - 2]
+
+
+def boundary_gaps(seed: int, size: int) -> np.ndarray:
+    """Gaps mostly of 1-2 bytes with every varint length boundary strewn among them."""
+    rng = np.random.default_rng(seed)
+    gaps = rng.exponential(100.0, size).astype(np.uint64)
+    gaps[rng.choice(size, len(BOUNDARY_GAPS) * 3, replace=False)] = BOUNDARY_GAPS * 3
+    return gaps
+
+
+def indices_of(gaps: np.ndarray) -> np.ndarray:
+    return np.cumsum(gaps.astype(np.int64) + 1) - 1
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("size", [1, 31, 32, 33, 100, 1000, 5000])
+def test_varint_fast_paths_match_the_numpy_coding(seed, size):
+    gaps = boundary_gaps(seed, size) if size >= 100 else np.random.default_rng(seed).integers(
+        0, 2**20, size).astype(np.uint64)
+    if seed == 1:
+        gaps[0] = 0  # first index 0
+    indices = indices_of(gaps)
+    section = varint_encode(gaps)
+    numel = int(indices[-1]) + 1  # the last index is numel - 1, the largest allowed
+    assert varint_index_nbytes(indices) == section.size == varint_nbytes(gaps)
+    assert_same_bits(varint_decode_indices(section, size, numel), indices)
+    assert varint_encode_indices(indices).tobytes() == section.tobytes()
+    with pytest.raises(ValueError, match="beyond numel"):
+        varint_decode_indices(section, size, numel - 1)
+
+
+def test_varint_fast_paths_on_an_empty_push():
+    empty = np.zeros(0, np.int64)
+    assert varint_index_nbytes(empty) == 0
+    assert varint_decode_indices(np.zeros(0, np.uint8), 0, 10).size == 0
+    pushes = pushes_of([frame(0, 0, [], [], 100), frame(1, 0, [0, 99], [1.0, 2.0], 100)])
+    assert [f.count for f in pushes] == [0, 2]
+
+
+def test_varint_nbytes_counts_gaps_beyond_five_bytes_as_the_encoder_does():
+    # Not a valid index list for a frame, but hvdc_varint_nbytes promises the encoder's count.
+    gaps = np.full(40, 5, np.uint64)
+    gaps[17] = 2**40
+    assert varint_index_nbytes(indices_of(gaps)) == varint_nbytes(gaps) == 39 + 6
+
+
+@pytest.mark.parametrize("at", [0, 40, 500, 999])
+@pytest.mark.parametrize("fault, message", [
+    (bytes([0x85, 0x80, 0x00]), "non-canonical"),
+    (bytes([0x81, 0x00]), "non-canonical"),
+    (bytes([0xFF] * 5 + [0x01]), "longer than 5 bytes"),
+    (bytes([0xFF] * 9 + [0x01]), "longer than 5 bytes"),
+])
+def test_varint_faults_deep_in_a_long_section_are_found(at, fault, message):
+    gaps = boundary_gaps(7, 1000)
+    ends = np.cumsum(np.array([len(varint_encode(gaps[j:j + 1])) for j in range(gaps.size)]))
+    start = 0 if at == 0 else int(ends[at - 1])
+    section = np.frombuffer(varint_encode(gaps).tobytes()[:start] + fault
+                            + varint_encode(gaps[at + 1:]).tobytes(), np.uint8)
+    with pytest.raises(ValueError, match=message):
+        varint_decode_indices(section, 1000, 2**40)
+    with pytest.raises(ValueError, match=message):
+        varint_decode(section, 1000)
+
+
+@pytest.mark.parametrize("cut", [1, 3, 50])
+def test_a_long_varint_section_with_bytes_missing_or_left_over_is_refused(cut):
+    gaps = boundary_gaps(3, 1000)
+    section = varint_encode(gaps)
+    numel = 2**40
+    with pytest.raises(ValueError, match=r"inside a varint|varints, header says"):
+        varint_decode_indices(section[:-cut], 1000, numel)
+    with pytest.raises(ValueError, match="varints, header says"):
+        varint_decode_indices(section, 1000 - cut, numel)

@@ -231,10 +231,44 @@ enum : int64_t {
 
 // Decode `count` gaps g_j (unsigned LEB128) from data[0, nbytes) into strictly increasing
 // indices i_j = i_{j-1} + g_j + 1 with i_{-1} = -1. Returns 0 or an error code above.
+//
+// Fast path (BMI2 and AVX2): 32 bytes at a time, their varints' last bytes (high bit
+// clear) found at once by movemask. A block with a varint longer than 5 bytes (5
+// continuation bytes in a row) or a non-canonical one (a zero byte after a continuation
+// byte) goes to the byte-wise loop below, which gives the error code; otherwise each
+// varint whole in the block is one 8-byte load and a pext at a position the mask gives,
+// with no branch on its length, and the block's last index is checked against numel (the
+// indices increase, so the first out of range is found only when one is).
 int64_t hvdc_varint_decode(const uint8_t* data, int64_t nbytes, int64_t count, int64_t numel,
                            int64_t* out) {
-    int64_t pos = 0, prev = -1;
-    for (int64_t j = 0; j < count; ++j) {
+    int64_t pos = 0, prev = -1, j = 0;
+#if defined(__BMI2__) && defined(__AVX2__)
+    // A block at pos reads data[pos, pos + 32) and 8-byte words from varint starts below
+    // pos + 32, all inside the section; it holds at most 32 varints, all still counted.
+    while (pos + 40 <= nbytes && count - j >= 32) {
+        const __m256i block = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(data + pos));
+        const uint32_t more = uint32_t(_mm256_movemask_epi8(block));  // continuation bytes
+        const uint32_t zero = uint32_t(
+            _mm256_movemask_epi8(_mm256_cmpeq_epi8(block, _mm256_setzero_si256())));
+        uint32_t ends = ~more;  // varints' last bytes
+        if (!ends || (more & more >> 1 & more >> 2 & more >> 3 & more >> 4) ||
+            (zero & more << 1))
+            break;  // a long or non-canonical varint, or none ending here
+        int64_t start = 0;
+        for (; ends; ends &= ends - 1) {
+            const int64_t end = __builtin_ctz(ends);
+            uint64_t word;
+            std::memcpy(&word, data + pos + start, 8);
+            prev += 1 + int64_t(_bzhi_u64(_pext_u64(word, 0x7F7F7F7F7F7F7F7FULL),
+                                          unsigned(7 * (end - start + 1))));
+            out[j++] = prev;
+            start = end + 1;
+        }
+        if (prev >= numel) return kOutOfRange;
+        pos += start;
+    }
+#endif
+    for (; j < count; ++j) {
         uint64_t gap = 0;
         int len = 0;
         for (;;) {
@@ -257,8 +291,42 @@ int64_t hvdc_varint_decode(const uint8_t* data, int64_t nbytes, int64_t count, i
 
 // Bytes of the varints of the gaps of strictly increasing, non-negative `idx`.
 int64_t hvdc_varint_nbytes(const int64_t* idx, int64_t count) {
-    int64_t total = 0, prev = -1;
-    for (int64_t j = 0; j < count; ++j) {  // a gap of b significant bits takes ceil(b / 7)
+    int64_t total = 0, prev = -1, j = 0;
+#if defined(__AVX2__)
+    // Four gaps at a time: a varint's length is 1 plus the 7-bit thresholds its gap
+    // reaches. A gap of 2**35 or more (or a negative one) is left to the loop below,
+    // which counts it as the encoder would (up to 10 bytes).
+    if (count > 0) {
+        total = (64 - __builtin_clzll(uint64_t(idx[0]) | 1) + 6) / 7;
+        prev = idx[0];
+        j = 1;
+    }
+    const __m256i one = _mm256_set1_epi64x(1);
+    __m256i lengths = _mm256_setzero_si256(), big = _mm256_setzero_si256();
+    int64_t done = j;
+    for (; j + 4 <= count; j += 4) {
+        const __m256i gap = _mm256_sub_epi64(
+            _mm256_sub_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(idx + j)),
+                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(idx + j - 1))),
+            one);
+        __m256i len = one;
+        for (int64_t t : {int64_t(1) << 7, int64_t(1) << 14, int64_t(1) << 21, int64_t(1) << 28})
+            len = _mm256_sub_epi64(len, _mm256_cmpgt_epi64(gap, _mm256_set1_epi64x(t - 1)));
+        lengths = _mm256_add_epi64(lengths, len);
+        big = _mm256_or_si256(big, _mm256_or_si256(
+            _mm256_cmpgt_epi64(gap, _mm256_set1_epi64x((int64_t(1) << 35) - 1)),
+            _mm256_cmpgt_epi64(_mm256_setzero_si256(), gap)));
+    }
+    if (_mm256_testz_si256(big, big)) {
+        alignas(32) int64_t lanes[4];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), lengths);
+        total += lanes[0] + lanes[1] + lanes[2] + lanes[3];
+        if (j > 0) prev = idx[j - 1];
+    } else {
+        j = done;  // counted again one by one
+    }
+#endif
+    for (; j < count; ++j) {  // a gap of b significant bits takes ceil(b / 7)
         const uint64_t gap = uint64_t(idx[j] - prev - 1);
         prev = idx[j];
         total += (64 - __builtin_clzll(gap | 1) + 6) / 7;
