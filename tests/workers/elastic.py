@@ -29,6 +29,27 @@ def digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
+def parse_resize(spec: str) -> dict[int, str]:
+    """``STEP=HOST:SLOTS+HOST:SLOTS;...`` as the hosts file's text to write at each step."""
+    return {int(step): hosts.replace("+", "\n") + "\n"
+            for step, hosts in (item.split("=") for item in spec.split(";") if item)}
+
+
+def after_step(seen: dict, step: int, digests: list[str], rank: int, size: int,
+               resize: dict[int, str], hosts: str | None) -> None:
+    """Record in ``seen`` whether every rank's digest agreed and the world's size; rank 0
+    rewrites the hosts file at the steps of ``resize``."""
+    seen["checks"] += 1
+    if len(set(digests)) != 1:
+        seen["mismatches"].append(step)
+    if not seen["sizes"] or seen["sizes"][-1][1] != size:
+        seen["sizes"].append((step, size))
+    if rank == 0 and step in resize and hosts:
+        with open(hosts, "w") as f:
+            f.write(resize[step])
+        time.sleep(4)  # the driver reads the script every second: notified by the commit
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--scheme", required=True)
@@ -43,8 +64,7 @@ def main() -> None:
     parser.add_argument("--pool-on-commit", action="store_true")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    resize = {int(step): hosts.replace("+", "\n") + "\n"
-              for step, hosts in (item.split("=") for item in args.resize.split(";") if item)}
+    resize = parse_resize(args.resize)
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung run's stacks
     hvd.init()
@@ -58,16 +78,8 @@ def main() -> None:
             if state.step == args.kill_step and host == args.kill_host:
                 os.kill(os.getpid(), signal.SIGKILL)
             return
-        digests = hvd.allgather_object(digest(state.model))
-        seen["checks"] += 1
-        if len(set(digests)) != 1:
-            seen["mismatches"].append(state.step)
-        if not seen["sizes"] or seen["sizes"][-1][1] != hvd.size():
-            seen["sizes"].append((state.step, hvd.size()))
-        if hvd.rank() == 0 and state.step in resize and args.hosts:
-            with open(args.hosts, "w") as f:
-                f.write(resize[state.step])
-            time.sleep(4)  # the driver reads the script every second: notified by the commit
+        after_step(seen, state.step, hvd.allgather_object(digest(state.model)), hvd.rank(),
+                   hvd.size(), resize, args.hosts)
 
     resets = train(state, args.steps, hook=hook)
     _, _, x_test, y_test = load_split(0)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import time
 
 import horovod.tensorflow as hvd
 import numpy as np
@@ -20,6 +19,7 @@ import tensorflow as tf
 
 from examples.elastic_keras_digits import accuracy, build, train
 from hvd_compress.tensorflow.elastic import KerasState
+from tests.workers.elastic import after_step, parse_resize
 
 
 def digest(state: KerasState) -> str:
@@ -38,8 +38,7 @@ def main() -> None:
                         help="STEP=HOST:SLOTS+HOST:SLOTS;... written by rank 0 at STEP")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    resize = {int(step): hosts.replace("+", "\n") + "\n"
-              for step, hosts in (item.split("=") for item in args.resize.split(";") if item)}
+    resize = parse_resize(args.resize)
 
     hvd.init()
     state = build(args.scheme)
@@ -72,16 +71,8 @@ def main() -> None:
                     total = hvd.allreduce(grad, op=hvd.Sum, name=f"test.given.{key}")
                     sums["given"][key] = sums["given"][key] + total.numpy().astype(np.float64)
             return
-        digests = hvd.allgather_object(digest(state))
-        seen["checks"] += 1
-        if len(set(digests)) != 1:
-            seen["mismatches"].append(state.step)
-        if not seen["sizes"] or seen["sizes"][-1][1] != hvd.size():
-            seen["sizes"].append((state.step, hvd.size()))
-        if hvd.rank() == 0 and state.step in resize and args.hosts:
-            with open(args.hosts, "w") as f:
-                f.write(resize[state.step])
-            time.sleep(4)  # the driver reads the script every second: notified by the commit
+        after_step(seen, state.step, hvd.allgather_object(digest(state)), hvd.rank(),
+                   hvd.size(), resize, args.hosts)
 
     resets = train(state, args.steps, hook=hook)
     result = {"accuracy": accuracy(state.model), "resets": resets, "size": hvd.size(), **seen}
