@@ -355,3 +355,24 @@ def test_a_long_varint_section_with_bytes_missing_or_left_over_is_refused(cut):
         varint_decode_indices(section[:-cut], 1000, numel)
     with pytest.raises(ValueError, match="varints, header says"):
         varint_decode_indices(section, 1000 - cut, numel)
+
+
+@pytest.mark.parametrize("density", [0.001, 0.005, 0.02, 0.05, 0.3, 1.0])
+@pytest.mark.parametrize("workers", [2, 3])
+def test_union_sums_match_at_every_emit_density(density, workers):
+    """hvdc_merge_sum writes a block's marks four ways by pairs per block (sparse.cpp:
+    emit); each, with -0.0 and empty blocks among the pushes, against the numpy route."""
+    rng = np.random.default_rng([workers, int(density * 1000)])
+    numel = 5 * 8192 + 77
+    frames = []
+    for w in range(workers):
+        k = max(1, int(density * numel))
+        idx = np.sort(rng.choice(numel, k, replace=False))
+        idx = idx[(idx < 8192) | (idx >= 2 * 8192)]  # the second block empty
+        val = rng.standard_normal(idx.size).astype(np.float32)
+        val[::7] = -0.0
+        frames.append(frame(w, 0, idx, val, numel))
+    results = both_routes("union", numel, [frames])
+    assert_routes_agree(results)
+    union = results[0][0][0]
+    assert union[0].size >= max(f.count for f in pushes_of(frames))

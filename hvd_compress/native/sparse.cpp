@@ -21,15 +21,17 @@ constexpr int64_t kMergeSlack = 8;
 constexpr int64_t kBlock = 1 << 13, kWords = kBlock / 64;
 
 // Emit the marked positions of a block (see hvdc_merge_sum), clearing them; returns
-// how many. Writes up to K - 1 pairs past that count (at most kMergeSlack).
-template <int K>
+// how many. Writes up to K pairs past that count (at most kMergeSlack). SKIP: words
+// without a mark are skipped (a branch per word, for blocks with few pairs); else every
+// word takes its K branch-free writes, which an empty word makes all past the count.
+template <int K, bool SKIP>
 int64_t emit_block(int64_t base, float* __restrict acc, uint64_t* __restrict marked,
                    int64_t* __restrict out_idx, float* __restrict out_val) {
-    static_assert(K - 1 <= kMergeSlack, "pairs written past the count exceed the slack");
+    static_assert(K <= kMergeSlack, "pairs written past the count exceed the slack");
     int64_t n = 0;
     for (int64_t w = 0; w < kWords; ++w) {
         uint64_t bits = marked[w];
-        if (!bits) continue;
+        if (SKIP && !bits) continue;
         marked[w] = 0;
         const int64_t count = __builtin_popcountll(bits), first = base + (w << 6);
         float* const a = acc + (w << 6);
@@ -51,6 +53,16 @@ int64_t emit_block(int64_t base, float* __restrict acc, uint64_t* __restrict mar
         n += count;
     }
     return n;
+}
+
+// emit_block with K and SKIP for a block holding `pairs` (before the union): K about the
+// marks a word holds, so that a word rarely needs the loop past K.
+int64_t emit(int64_t pairs, int64_t base, float* acc, uint64_t* marked, int64_t* out_idx,
+             float* out_val) {
+    if (pairs < kWords / 2) return emit_block<2, true>(base, acc, marked, out_idx, out_val);
+    if (pairs < 2 * kWords) return emit_block<2, false>(base, acc, marked, out_idx, out_val);
+    if (pairs < 4 * kWords) return emit_block<4, false>(base, acc, marked, out_idx, out_val);
+    return emit_block<8, true>(base, acc, marked, out_idx, out_val);  // few words empty
 }
 
 // The body of hvdc_merge_sum (see there).
@@ -83,8 +95,7 @@ int64_t merge_lists(int64_t lists, const int64_t* const* idx, const float* const
             cursor[l] = j;
             pairs += j - from;
         }
-        n += pairs > 3 * kWords ? emit_block<8>(base, a, m, out_idx + n, out_val + n)
-                                : emit_block<4>(base, a, m, out_idx + n, out_val + n);
+        n += emit(pairs, base, a, m, out_idx + n, out_val + n);
     }
 }
 
