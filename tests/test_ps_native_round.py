@@ -376,3 +376,25 @@ def test_union_sums_match_at_every_emit_density(density, workers):
     assert_routes_agree(results)
     union = results[0][0][0]
     assert union[0].size >= max(f.count for f in pushes_of(frames))
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("count", [1, 32, 33, 64, 65, 1000])
+def test_aggregate_varints_across_length_boundaries_are_encode_frames_bytes(seed, count):
+    """hvdc_frame_encode writes 32 gaps at a time when all fit 2 bytes (one by one
+    otherwise): gaps at 127/128 and 2**14 - 1/2**14, longer ones among them, first index 0
+    and the last index numel - 1, against the numpy coding."""
+    gaps = boundary_gaps(seed, count) if count >= 100 else np.random.default_rng(
+        seed).choice(np.array([0, 127, 128, 2**14 - 1, 2**14, 2**21], np.uint64), count)
+    gaps = np.minimum(gaps, 2**21 if seed < 2 else 2**14 - 1)  # seed 2: every gap 1-2 bytes
+    gaps[0] = 0
+    idx = indices_of(gaps)
+    numel = int(idx[-1]) + 1
+    val = np.random.default_rng(seed).standard_normal(count).astype(np.float32)
+    with native.disabled():
+        expected = encode_frame(Kind.AGGREGATE, "w", 0, 1, 3, SERVER_ID - 1, numel, idx, val,
+                                "fp32")
+    got = encode_aggregate("w", 0, 1, Finished(3, idx, val), SERVER_ID - 1, numel,
+                           decode_frame(expected).dtype)
+    assert got == expected
+    assert count == 1 or decode_frame(got).coding is IndexCoding.VARINT  # 1: numel 1, dense

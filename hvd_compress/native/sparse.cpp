@@ -517,16 +517,56 @@ extern "C" int64_t hvdc_frame_encode(const uint8_t* head, int64_t head_len, cons
         // Each varint as one 8-byte store: its groups spread by pdep, continuation bits on
         // all but its last byte. A store reaches at most 7 bytes past the section, into
         // the values (4 * count bytes) and the CRC written after it.
-        int64_t prev = -1;
-        for (int64_t j = 0; j < count; ++j) {
-            const uint64_t gap = uint64_t(idx[j] - prev - 1);
-            prev = idx[j];
+        auto put = [&p, idx](int64_t j) {
+            const uint64_t gap = uint64_t(idx[j] - (j ? idx[j - 1] : -1) - 1);
             const int len = (64 - __builtin_clzll(gap | 1) + 6) / 7;  // at most 5 here
             const uint64_t word = _pdep_u64(gap, 0x7F7F7F7F7FULL) |
                                   (0x8080808080ULL & ((uint64_t(1) << (8 * len - 8)) - 1));
             std::memcpy(p, &word, 8);
             p += len;
+        };
+        int64_t j = 0;
+#if defined(__AVX512VBMI2__) && defined(__AVX512BW__)
+        // 32 gaps at a time when all are below 2**14 (varints of 1 or 2 bytes, most of
+        // them at densities above 1 / 2**14): each gap's two bytes in a 16-bit lane, the
+        // second byte kept only where the gap needs it (vpcompressb), one 64-byte store.
+        // Past the section it reaches at most 64 bytes, inside the values that follow
+        // (4 * count bytes, count >= 32 here) and the CRC.
+        if (count > 0) put(j++);
+        while (j + 32 <= count) {
+            __m128i part[4];
+            __mmask8 wide = 0;
+            for (int q = 0; q < 4; ++q) {
+                const int64_t* at = idx + j + 8 * q;
+                const __m512i gap = _mm512_sub_epi64(
+                    _mm512_sub_epi64(_mm512_loadu_si512(at), _mm512_loadu_si512(at - 1)),
+                    _mm512_set1_epi64(1));
+                wide |= _mm512_cmpge_epu64_mask(gap, _mm512_set1_epi64(1 << 14));
+                part[q] = _mm512_maskz_cvtepi64_epi16(0xFF, gap);
+            }
+            if (wide) {  // a gap of 3 or more bytes (or a negative one): one by one
+                for (const int64_t stop = j + 32; j < stop; ++j) put(j);
+                continue;
+            }
+            const __m512i v = _mm512_maskz_inserti64x4(  // maskz: no undefined lanes
+                0xFF, _mm512_zextsi256_si512(_mm256_set_m128i(part[1], part[0])),
+                _mm256_set_m128i(part[3], part[2]), 1);
+            const __mmask32 two = _mm512_cmpge_epu16_mask(v, _mm512_set1_epi16(0x80));
+            // lane: the low 7 bits, a continuation bit where a second byte follows, then
+            // the next 7 bits
+            const __m512i bytes = _mm512_or_si512(
+                _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi16(0x7F)),
+                                _mm512_and_si512(_mm512_slli_epi16(v, 1),
+                                                 _mm512_set1_epi16(0x7F00))),
+                _mm512_maskz_mov_epi16(two, _mm512_set1_epi16(0x80)));
+            const __mmask64 keep = _pdep_u64(two, 0xAAAAAAAAAAAAAAAAULL) |
+                                   0x5555555555555555ULL;
+            _mm512_storeu_si512(p, _mm512_maskz_compress_epi8(keep, bytes));
+            p += __builtin_popcountll(keep);
+            j += 32;
         }
+#endif
+        for (; j < count; ++j) put(j);
 #else
         p += hvdc_varint_encode(idx, count, p);
 #endif
