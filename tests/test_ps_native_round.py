@@ -398,3 +398,32 @@ def test_aggregate_varints_across_length_boundaries_are_encode_frames_bytes(seed
                            decode_frame(expected).dtype)
     assert got == expected
     assert count == 1 or decode_frame(got).coding is IndexCoding.VARINT  # 1: numel 1, dense
+
+
+def test_large_union_sums_reuse_memory_only_once_their_arrays_are_gone():
+    """close_round lends union arrays of 1 MiB and more from a pool (round.py): a round's
+    sum held by the caller is never overwritten by the next round, and its block serves a
+    later round once every view of it is released."""
+    numel = 1 << 20
+
+    def pushes(seed):
+        r = np.random.default_rng(seed)
+        return [(np.sort(r.choice(numel, 100_000, replace=False)).astype(np.int64),
+                 r.standard_normal(100_000).astype(np.float32)) for _ in range(2)]
+
+    first = native_round.close_round(pushes(1), numel, None, 0)[0]
+    kept = first[0].copy(), first[1].copy()
+    address = first[0].ctypes.data
+    second = native_round.close_round(pushes(2), numel, None, 0)[0]
+    assert second[0].ctypes.data != address
+    assert_same_bits(first[0], kept[0])
+    assert_same_bits(first[1], kept[1])
+    view = first[1][10:20]
+    del first
+    third = native_round.close_round(pushes(3), numel, None, 0)[0]
+    assert third[0].ctypes.data not in (address, second[0].ctypes.data)  # a view remains
+    assert_same_bits(view, kept[1][10:20])
+    freed = {address, third[0].ctypes.data}
+    del view, third
+    fourth = native_round.close_round(pushes(4), numel, None, 0)[0]
+    assert fourth[0].ctypes.data in freed

@@ -11,6 +11,9 @@ the caller then runs that numpy route.
 from __future__ import annotations
 
 import ctypes
+import mmap
+import threading
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -27,6 +30,50 @@ _bytes_data = ctypes.pythonapi.PyBytes_AsString
 _bytes_data.restype, _bytes_data.argtypes = ctypes.c_void_p, (ctypes.py_object,)
 
 Pairs = tuple[np.ndarray, np.ndarray]
+
+POOL_MIN_BYTES = 1 << 20
+"""Union sums smaller than this come from ``np.empty`` (the C heap recycles them)."""
+BLOCK_ROUND = 2 << 20
+"""Pooled blocks are whole 2 MiB huge pages, so the sizes of near rounds share blocks."""
+FREE_BLOCKS = 4
+"""Free blocks kept per size; more are unmapped."""
+
+
+class _UnionPool:
+    """Memory for the union sums, recycled across rounds: a fresh large ``np.empty`` is a
+    fresh mapping whose first writes fault every page in and zero it, which cost the round
+    as much as the sum itself. A block is lent to one round's arrays at a time: both are
+    views of one uint8 array over the block (numpy makes that array the base of every view
+    of them), and the block is free again once a weak reference to it is dead."""
+
+    def __init__(self) -> None:
+        self._blocks: dict[int, list[tuple[mmap.mmap, weakref.ref | None]]] = {}
+        self._lock = threading.Lock()
+
+    def arrays(self, pairs: int) -> tuple[np.ndarray, np.ndarray]:
+        """Uninitialised int64 and float32 arrays of ``pairs`` elements each."""
+        nbytes = 12 * pairs
+        if nbytes < POOL_MIN_BYTES:
+            return np.empty(pairs, np.int64), np.empty(pairs, np.float32)
+        size = -(-nbytes // BLOCK_ROUND) * BLOCK_ROUND
+        with self._lock:
+            same = self._blocks.setdefault(size, [])
+            free = [b for b in same if b[1] is None or b[1]() is None]
+            for block in free[FREE_BLOCKS:]:
+                same.remove(block)  # unmapped with its last reference
+            if free:
+                memory = free[0][0]
+                same.remove(free[0])
+            else:
+                memory = mmap.mmap(-1, size)
+                if hasattr(mmap, "MADV_HUGEPAGE"):
+                    memory.madvise(mmap.MADV_HUGEPAGE)
+            lent = np.frombuffer(memory, np.uint8, nbytes)
+            same.append((memory, weakref.ref(lent)))
+        return lent[:8 * pairs].view(np.int64), lent[8 * pairs:].view(np.float32)
+
+
+_UNION_POOL = _UnionPool()
 
 
 def _lib() -> ctypes.CDLL | None:
@@ -57,8 +104,7 @@ def close_round(pushes: Sequence[Pairs], numel: int, residual: np.ndarray | None
     val = [np.ascontiguousarray(v, dtype=np.float32) for _, v in pushes]
     total = sum(i.size for i in idx)
     counts = np.array([i.size for i in idx] or [0], dtype=np.int64)
-    union_idx = np.empty(total + MERGE_SLACK, dtype=np.int64)
-    union_val = np.empty(total + MERGE_SLACK, dtype=np.float32)
+    union_idx, union_val = _UNION_POOL.arrays(total + MERGE_SLACK)
     idx_table = np.array([a.ctypes.data for a in idx] or [0], dtype=np.uintp)
     val_table = np.array([a.ctypes.data for a in val] or [0], dtype=np.uintp)
     union_count = ctypes.c_int64(0)
