@@ -525,6 +525,22 @@ def test_cluster_bench_hosts_of_two_ranks_keep_their_own_traffic_off_the_link(
     assert leftover_network_objects() == []
 
 
+@pytest.mark.parametrize("spec", ["topk:ratio=0.001@ps@host", "onebit@host",
+                                  "powersgd:rank=4@gloo", "none"])
+def test_cluster_spec_suffixes_round_trip_through_the_row_label(spec: str) -> None:
+    """``SPEC@host`` asks for two-level (the optimizer's ``hierarchy="host"``); a row's label
+    is rebuilt from the settings the ranks report, so it names the same configuration."""
+    from hvd_compress.bench.cluster import spec_label, split_spec
+
+    scheme, options = split_spec(spec)
+    assert options.get("hierarchy") == ("host" if spec.endswith("@host") else None)
+    settings = {"ps": "grpc://h:1" if options["server"] else "allgather",
+                "collectives": options["collectives"], "hierarchy": options.get("hierarchy")}
+    assert spec_label(scheme, settings) == spec
+    with pytest.raises(ValueError, match="unknown suffix"):
+        split_spec(f"{spec}@hosts")
+
+
 def test_cluster_targets_compare_the_hook_with_our_powersgd_at_its_bytes() -> None:
     """The hook's target applies to our PowerSGD at its rank and start, and to
     ``alternate=True`` at twice the rank (the same bytes per step), nothing else."""
