@@ -52,8 +52,10 @@ def varint_decode_indices(section: np.ndarray, count: int, numel: int) -> np.nda
     lib = _lib()
     if lib is None:
         return None
+    from hvd_compress.native.round import indices_array  # pooled: no page faults per push
+
     section = np.ascontiguousarray(section, dtype=np.uint8)
-    out = np.empty(count, dtype=np.int64)
+    out = indices_array(count)
     status = lib.hvdc_varint_decode(_ptr(section), section.size, count, numel, _ptr(out))
     if status:
         raise ValueError(_varint_error(status, section, count, numel))
