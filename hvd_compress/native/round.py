@@ -11,14 +11,13 @@ the caller then runs that numpy route.
 from __future__ import annotations
 
 import ctypes
-import mmap
-import threading
-import weakref
 from collections.abc import Sequence
 
 import numpy as np
 
 from hvd_compress.native import available, library
+from hvd_compress.native.pool import ARRAY_MIN_BYTES
+from hvd_compress.native.pool import POOL as _POOL
 from hvd_compress.native.sparse import MERGE_SLACK
 
 NON_FINITE = -2
@@ -31,73 +30,15 @@ _bytes_data.restype, _bytes_data.argtypes = ctypes.c_void_p, (ctypes.py_object,)
 
 Pairs = tuple[np.ndarray, np.ndarray]
 
-POOL_MIN_BYTES = 1 << 20
-"""Arrays smaller than this come from ``np.empty`` (the C heap recycles them)."""
-BLOCK_ROUND = 2 << 20
-"""Pooled blocks are whole 2 MiB huge pages, so the sizes of near rounds share blocks."""
-FREE_BLOCKS = 4
-"""Free blocks kept per size; more are unmapped."""
-IDLE_LEASES = 256
-"""A free block not lent for this many leases is unmapped."""
+def pooled_arrays(pairs: int) -> tuple[np.ndarray, np.ndarray]:
+    """Uninitialised int64 and float32 arrays of ``pairs`` elements each (a union sum's),
+    sharing one block of :data:`_POOL` (:mod:`hvd_compress.native.pool`)."""
+    if 12 * pairs < ARRAY_MIN_BYTES:
+        return np.empty(pairs, np.int64), np.empty(pairs, np.float32)
+    lent = _POOL.lend(12 * pairs)
+    return lent[:8 * pairs].view(np.int64), lent[8 * pairs:].view(np.float32)
 
 
-class _Pool:
-    """Memory for the union sums and the pushes' decoded indices, recycled across rounds:
-    a fresh large ``np.empty`` is a fresh mapping whose first writes fault every page in
-    and zero it, which cost the round as much as the sum itself. A block is lent to one
-    array at a time (a union sum's two arrays share one): they are views of one uint8 array
-    over the block (numpy makes it the base of every view of them), and the block is free
-    again once a weak reference to that array is dead."""
-
-    def __init__(self) -> None:
-        # per block size: [mapping, weak reference to the array lent, lease it was lent at]
-        self._blocks: dict[int, list[list]] = {}
-        self._leases = 0
-        self._lock = threading.Lock()
-
-    def lend(self, nbytes: int) -> np.ndarray:
-        """``nbytes`` uninitialised bytes (at least :data:`POOL_MIN_BYTES`), a uint8 array
-        whose block is lent until it and every view of it are gone."""
-        size = -(-nbytes // BLOCK_ROUND) * BLOCK_ROUND
-        with self._lock:
-            self._leases += 1
-            if self._leases % IDLE_LEASES == 0:  # free blocks of sizes no longer asked for
-                for key, same in list(self._blocks.items()):
-                    same[:] = [b for b in same if b[1]() is not None
-                               or self._leases - b[2] < IDLE_LEASES]
-                    if not same:
-                        del self._blocks[key]
-            same = self._blocks.setdefault(size, [])
-            free = [b for b in same if b[1]() is None]
-            for block in free[FREE_BLOCKS:]:
-                same.remove(block)  # unmapped with its last reference
-            if free:
-                block = free[0]
-            else:
-                block = [mmap.mmap(-1, size), None, 0]
-                if hasattr(mmap, "MADV_HUGEPAGE"):
-                    block[0].madvise(mmap.MADV_HUGEPAGE)
-                same.append(block)
-            lent = np.frombuffer(block[0], np.uint8, nbytes)
-            block[1], block[2] = weakref.ref(lent), self._leases
-        return lent
-
-    def arrays(self, pairs: int) -> tuple[np.ndarray, np.ndarray]:
-        """Uninitialised int64 and float32 arrays of ``pairs`` elements each."""
-        if 12 * pairs < POOL_MIN_BYTES:
-            return np.empty(pairs, np.int64), np.empty(pairs, np.float32)
-        lent = self.lend(12 * pairs)
-        return lent[:8 * pairs].view(np.int64), lent[8 * pairs:].view(np.float32)
-
-    def indices(self, count: int) -> np.ndarray:
-        """An uninitialised int64 array of ``count`` elements (a push's decoded indices)."""
-        if 8 * count < POOL_MIN_BYTES:
-            return np.empty(count, np.int64)
-        return self.lend(8 * count).view(np.int64)
-
-
-_POOL = _Pool()
-indices_array = _POOL.indices
 
 
 def _lib() -> ctypes.CDLL | None:
@@ -128,7 +69,7 @@ def close_round(pushes: Sequence[Pairs], numel: int, residual: np.ndarray | None
     val = [np.ascontiguousarray(v, dtype=np.float32) for _, v in pushes]
     total = sum(i.size for i in idx)
     counts = np.array([i.size for i in idx] or [0], dtype=np.int64)
-    union_idx, union_val = _POOL.arrays(total + MERGE_SLACK)
+    union_idx, union_val = pooled_arrays(total + MERGE_SLACK)
     idx_table = np.array([a.ctypes.data for a in idx] or [0], dtype=np.uintp)
     val_table = np.array([a.ctypes.data for a in val] or [0], dtype=np.uintp)
     union_count = ctypes.c_int64(0)

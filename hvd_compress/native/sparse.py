@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from hvd_compress.native import available, library
+from hvd_compress.native.pool import indices_array  # pooled: no page faults per push
 
 MAX_VARINT_BYTES = 5
 """Bytes of the longest varint: a gap below 2**32 (any shard's size) has 5 groups of 7 bits."""
@@ -52,8 +53,6 @@ def varint_decode_indices(section: np.ndarray, count: int, numel: int) -> np.nda
     lib = _lib()
     if lib is None:
         return None
-    from hvd_compress.native.round import indices_array  # pooled: no page faults per push
-
     section = np.ascontiguousarray(section, dtype=np.uint8)
     out = indices_array(count)
     status = lib.hvdc_varint_decode(_ptr(section), section.size, count, numel, _ptr(out))
