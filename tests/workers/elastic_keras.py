@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
+import signal
 
 import horovod.tensorflow as hvd
 import numpy as np
@@ -36,6 +38,10 @@ def main() -> None:
     parser.add_argument("--hosts", help="the discovery script's hosts file")
     parser.add_argument("--resize", default="",
                         help="STEP=HOST:SLOTS+HOST:SLOTS;... written by rank 0 at STEP")
+    parser.add_argument("--kill-step", type=int, default=-1,
+                        help="the worker on --kill-host kills itself (SIGKILL) after the "
+                        "backward pass of this step")
+    parser.add_argument("--kill-host", default="127.0.0.1")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     resize = parse_resize(args.resize)
@@ -64,6 +70,9 @@ def main() -> None:
 
     def hook(state: KerasState, grads: list, where: str) -> None:
         if where == "backward":
+            if state.step == args.kill_step \
+                    and os.environ.get("HOROVOD_HOSTNAME") == args.kill_host:
+                os.kill(os.getpid(), signal.SIGKILL)
             if conserve:
                 opt = state.optimizer
                 for var, grad in zip(state.model.trainable_variables, grads):
