@@ -183,3 +183,22 @@ def test_saved_codec_measurements_give_the_same_prediction(tmp_path: Path) -> No
         assert model.predict_job(job, flat()).step_s == before
     finally:
         model.PROFILES.update(saved)
+
+
+def test_a_row_of_hosts_of_several_ranks_is_predicted_as_that_cluster() -> None:
+    """A ``bench cluster --hosts 2 --ranks-per-host 2`` row: the cluster is 2 hosts x 2
+    ranks (not 4 hosts of one), and ``SPEC@host`` is the two-level route, whose host link
+    carries less than the flat route's for the same scheme."""
+    tensors = model.model_tensors("tiny")
+    base = model.Cluster(hosts=1, copy_bytes_per_s=1e10)
+    row = {"system": "hvd-compress", "scheme": "onebit", "link": "100mbit",
+           "link_bits": 1e8, "ranks": 4, "hosts": 2, "ranks_per_host": 2, "model": "tiny"}
+    flat_job, flat = model.row_case(row, tensors, base, 0.1)
+    two_job, two = model.row_case({**row, "scheme": "onebit@host"}, tensors, base, 0.1)
+    assert (flat.hosts, flat.per_host) == (2, 2) == (two.hosts, two.per_host)
+    assert not flat_job.two_level and two_job.two_level
+    assert model.predict_job(two_job, two).host_bytes < model.predict_job(
+        flat_job, flat).host_bytes
+    old = {k: v for k, v in row.items() if k not in ("hosts", "ranks_per_host")}
+    _, one_each = model.row_case(old, tensors, base, 0.1)  # runs before --ranks-per-host
+    assert (one_each.hosts, one_each.per_host) == (4, 1)

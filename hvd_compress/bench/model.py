@@ -667,11 +667,13 @@ def row_case(row: Mapping[str, Any], tensors: Mapping[str, tuple[int, ...]],
     """The job and cluster of one ``bench cluster`` row: its system (hvd-compress's
     pipeline; stock Horovod: one fused all-reduce; DDP: 25 MB buckets, no cycle; DDP's
     PowerSGD hook taking ``hook_s`` seconds per step), scheme, link rate and latency,
-    ranks (one per host) and Horovod cycle time."""
+    hosts and ranks per host (``SPEC@host``: two-level) and Horovod cycle time."""
     system, scheme = str(row["system"]), str(row["scheme"])
     settings = row.get("settings") or {}
     cycle = float(settings.get("HOROVOD_CYCLE_TIME", 0)) / 1e3
-    cluster = dataclasses.replace(base, hosts=int(row["ranks"]), per_host=1,
+    per_host = int(row.get("ranks_per_host") or 1)  # several ranks per host's namespace
+    cluster = dataclasses.replace(base, hosts=int(row.get("hosts") or row["ranks"]),
+                                  per_host=per_host,
                                   rate_bits=float(row["link_bits"]),
                                   latency_s=float(row.get("latency_ms") or 0) / 1e3,
                                   cycle_s=cycle)
@@ -698,7 +700,8 @@ def row_case(row: Mapping[str, Any], tensors: Mapping[str, tuple[int, ...]],
     spec, *where = scheme.split("@")
     if "gloo" in where:  # dense rounds on a torch.distributed Gloo group: no Horovod cycle
         cluster = dataclasses.replace(cluster, cycle_s=0.0)
-    return Job(tensors, spec, route="ps" if "ps" in where else "native"), cluster
+    return Job(tensors, spec, route="ps" if "ps" in where else "native",
+               two_level="host" in where), cluster
 
 
 def _find(rows: Sequence[Mapping[str, Any]], system: str, scheme: str,
