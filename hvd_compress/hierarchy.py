@@ -12,7 +12,8 @@ Per step and tensor, on a job of ``H`` hosts with ``L`` ranks each::
 
 Which piece each local rank carries (:func:`split_of`):
 
-* ``"slices"`` (schemes that compress entries or row blocks independently: none, fp16,
+* ``"slices"`` (schemes marked ``sliceable``, which compress entries or row blocks
+  independently: none, fp16,
   bf16, 1-bit, QSGD, TernGrad, the majority vote, top-k, random-k, threshold, DGC): every
   tensor of at least ``L`` rows is cut into ``L`` row blocks, local rank ``l`` carrying
   block ``l``, so all ``L`` links and codecs of a host work at once, as in Horovod's
@@ -51,15 +52,6 @@ from hvd_compress.fusion import assign_buckets
 from hvd_compress.pipeline import DEFAULT_BUCKET_BYTES, DEFAULT_REPORT_EVERY, Pipeline
 from hvd_compress.policy import Auto, Policy, Routes
 from hvd_compress.schemes.base import Scheme, write_scaled
-from hvd_compress.schemes.dense import BF16, FP16, NoCompression
-from hvd_compress.schemes.dgc import DGC
-from hvd_compress.schemes.onebit import OneBit
-from hvd_compress.schemes.qsgd import QSGD
-from hvd_compress.schemes.randomk import RandomK
-from hvd_compress.schemes.terngrad import TernGrad
-from hvd_compress.schemes.threshold import Threshold
-from hvd_compress.schemes.topk import TopK
-from hvd_compress.schemes.vote import MajorityVote
 from hvd_compress.step_stats import StepStats
 
 HIERARCHIES = (None, "host")
@@ -69,17 +61,14 @@ RANKS_PER_HOST_ENV = "HVD_COMPRESS_RANKS_PER_HOST"
 """Set to ``k``: ranks ``0..k-1`` form host 0, ``k..2k-1`` host 1, and so on, instead of
 Horovod's hosts (for emulated clusters and tests on one machine)."""
 
-SLICEABLE: tuple[type[Scheme], ...] = (NoCompression, FP16, BF16, OneBit, QSGD, TernGrad,
-                                       MajorityVote, TopK, RandomK, Threshold, DGC)
-"""Schemes whose row blocks can be compressed independently (``"slices"``)."""
-
 HOST_ROUND = "host"
 """The round name of the dense sum and the all-gather inside a host (``collective_bytes``)."""
 
 
 def split_of(scheme: Scheme) -> str:
-    """``"slices"`` for a scheme in :data:`SLICEABLE`, else ``"tensors"`` (whole tensors)."""
-    return "slices" if isinstance(scheme, SLICEABLE) else "tensors"
+    """``"slices"`` for a :attr:`~hvd_compress.schemes.base.Scheme.sliceable` scheme, else
+    ``"tensors"`` (whole tensors)."""
+    return "slices" if scheme.sliceable else "tensors"
 
 
 # Which ranks share a host ---------------------------------------------------------------

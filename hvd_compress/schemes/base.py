@@ -199,10 +199,14 @@ class Scheme(ABC):
             residual (:meth:`loco_option`); the pipeline's memory uses it
             (:meth:`~hvd_compress.feedback.ErrorFeedback.for_scheme`). Schemes without the
             option have no such attribute.
+        sliceable: whether row blocks of a tensor can be compressed independently and
+            their aggregates stacked back (two-level compression then gives each local rank
+            of a host one block; otherwise whole tensors, :mod:`hvd_compress.hierarchy`).
     """
 
     name: str = "scheme"
     error_feedback: bool = False
+    sliceable: bool = False
     min_compression_rate: float = 1.0
 
     @abstractmethod

@@ -47,6 +47,7 @@ class NoCompression(ReadyMade, Scheme):
     """Plain all-reduce in the tensor's own dtype; also the route for tensors sent dense."""
 
     name = "none"
+    sliceable = True
 
     def exchange(self, x: torch.Tensor, state: Mapping[str, torch.Tensor],
                  ctx: ExchangeContext) -> Exchange:
@@ -119,6 +120,7 @@ class FP16(ReadyMade, Scheme):
     """
 
     name = "fp16"
+    sliceable = True
     _packed = HalfPayload(torch.float16)
 
     def exchange(self, x: torch.Tensor, state: Mapping[str, torch.Tensor],
@@ -167,6 +169,8 @@ class BF16(ReadyMade, HalfPayload):
     reason it cannot serve as ``compression=`` of Horovod's own optimizer (use
     :class:`FP16` there).
     """
+
+    sliceable = True
 
     def __init__(self) -> None:
         super().__init__(torch.bfloat16)

@@ -65,6 +65,7 @@ class DGC(Scheme):
     """
 
     name = "dgc"
+    sliceable = True
     error_feedback = False  # the velocity ``v`` is DGC's own residual
     residual_name = "velocity"
 

@@ -63,6 +63,7 @@ class OneBit(PackedScheme):
     """
 
     name = "onebit"
+    sliceable = True
     error_feedback = True
 
     def __init__(self, bucket_size: int = 2048, loco_beta: float = 0.0,

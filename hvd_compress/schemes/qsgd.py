@@ -57,6 +57,7 @@ class QSGD(PackedScheme):
     """
 
     name = "qsgd"
+    sliceable = True
 
     def __init__(self, bits: int = 4, bucket_size: int = 512, norm: str = "max",
                  error_feedback: bool = False, loco_beta: float = 0.0) -> None:

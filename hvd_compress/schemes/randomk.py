@@ -63,6 +63,7 @@ class RandomK(Scheme):
     """
 
     name = "randomk"
+    sliceable = True
     error_feedback = True
 
     def __init__(self, ratio: float = 0.01, loco_beta: float = 0.0, error_feedback: bool = True,

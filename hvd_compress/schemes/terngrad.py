@@ -55,6 +55,7 @@ class TernGrad(PackedScheme):
     """
 
     name = "terngrad"
+    sliceable = True
 
     def __init__(self, bucket_size: int = 512, clip: float | None = 2.5,
                  error_feedback: bool = False, loco_beta: float = 0.0) -> None:

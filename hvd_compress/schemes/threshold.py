@@ -79,6 +79,7 @@ class Threshold(Scheme):
     """
 
     name = "threshold"
+    sliceable = True
     error_feedback = True
 
     def __init__(self, tau: float = 1e-3, max_ratio: float = 0.1, values: str = "fp32",

@@ -89,6 +89,7 @@ class TopK(Scheme):
     """
 
     name = "topk"
+    sliceable = True
     error_feedback = True
 
     def __init__(self, ratio: float = 0.001, values: str = "fp32",

@@ -52,6 +52,7 @@ class MajorityVote(PackedScheme):
     """
 
     name = "vote"
+    sliceable = True
     error_feedback = False
     bucket_size = 8  # chunks split at byte boundaries of the sign bits
 
