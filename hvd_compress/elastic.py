@@ -25,6 +25,7 @@ submit. See docs/elastic.md.
 from __future__ import annotations
 
 import os
+from abc import ABC, abstractmethod
 from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
@@ -246,7 +247,7 @@ def close_communicator(comm: Any) -> None:
 
 
 # The policy, on one pipeline ----------------------------------------------------------------
-class ElasticCompression:
+class ElasticCompression(ABC):
     """The compression state of one pipeline through Horovod's elastic resets (module
     docstring). A binding subclasses it and supplies the framework's parts: the pipeline,
     the tensors' shapes, Horovod's ``broadcast_object``, a communicator of the current
@@ -275,22 +276,23 @@ class ElasticCompression:
 
     # What the binding supplies ------------------------------------------------------------
     @property
+    @abstractmethod
     def pipeline(self) -> Pipeline:
-        raise NotImplementedError
+        """The pipeline whose state this object carries."""
 
+    @abstractmethod
     def shapes(self) -> dict[str, torch.Size]:
         """Every exchanged tensor's shape, by its name in the pipeline."""
-        raise NotImplementedError
 
+    @abstractmethod
     def broadcast_object(self, obj: Any) -> Any:
         """Horovod's ``broadcast_object`` from rank 0."""
-        raise NotImplementedError
 
+    @abstractmethod
     def communicator(self, session: str) -> Communicator:
         """A new communicator of Horovod's current ranks (with parameter-server rounds
         under ``session`` when the pipeline sends pairs to servers, as one of
         :attr:`ps_workers` workers); the old one's clients closed."""
-        raise NotImplementedError
 
     def place(self, state: dict[str, Any]) -> dict[str, Any]:
         """A pipeline state received from rank 0, on this rank's devices."""
@@ -300,13 +302,14 @@ class ElasticCompression:
         """Where the gradients are (``Compression.auto`` measures there)."""
         return torch.device("cpu")
 
+    @abstractmethod
     def snapshot(self) -> None:
         """Keep what a failure before the next commit restores."""
-        raise NotImplementedError
 
     def broadcast_wrapped(self) -> None:
         """Rank 0's state of what the binding wraps (the optimizer's own state), if the
         binding's state object does not broadcast it."""
+        return None  # by default, nothing: the state object broadcasts it
 
     # The policy -----------------------------------------------------------------------------
     def save(self) -> None:
