@@ -16,6 +16,7 @@ import torch
 from hvd_compress.bench.stragglers import SparseOnly
 from hvd_compress.comm.ops import SparseSum
 from hvd_compress.comm.parameter_server import (
+    PARTIAL,
     ParameterServerCommunicator,
     _ServerRound,
     skip_behind,
@@ -202,7 +203,7 @@ def test_a_behind_worker_pulls_the_closed_rounds_and_pushes_its_residual_in_the_
             return torch.tensor([0]), torch.tensor([5.0])
 
     client = Client()
-    comm = ParameterServerCommunicator(SparseOnly(0, 4), client, "s", scale_partial=False)
+    comm = ParameterServerCommunicator(SparseOnly(0, 4), client, "s", partial="unscaled")
     op = SparseSum("sparse", 8, torch.tensor([1, 6]), torch.tensor([3.0, 4.0]))
     results = []
 
@@ -232,6 +233,18 @@ def test_a_behind_worker_pulls_the_closed_rounds_and_pushes_its_residual_in_the_
     assert comm.skipped_rounds == 2 and comm.behind() == 0
     refused = [None if r.refused is None else r.refused.tolist() for r in results]
     assert refused == [[True, True]] * 3 + [None] * 3  # late or pulled only: all kept
+
+    # compute_open: the same refusal, but the loop computes round 3's gradient itself.
+    client = Client()
+    comm = ParameterServerCommunicator(SparseOnly(0, 4), client, "s", partial="unscaled")
+    optimizer, seen = Optimizer(), []
+    step()
+    assert comm.behind() == 3 and comm.behind(open_round=False) == 2
+    for batch in skip_behind(range(1, 6), optimizer, compute_open=True):
+        seen.append(batch)
+        step()
+    assert seen == [3, 4, 5] and optimizer.calls == ["zero_grad", "step"] * 2
+    assert [push for _, _, push in client.started] == [True, False, False, True, True, True]
 
 
 def test_without_a_quorum_nothing_changes():
@@ -313,8 +326,9 @@ def quorum_server():
     service.close()
 
 
+@pytest.mark.parametrize("partial", ["unscaled", "owed"])
 @pytest.mark.parametrize("skip", [False, True], ids=["computing", "skipping"])
-def test_topk_workers_with_a_straggler_lose_no_gradient_mass(quorum_server, skip):
+def test_topk_workers_with_a_straggler_lose_no_gradient_mass(quorum_server, skip, partial):
     """Every step computes for 0.05 s; worker 2 stalls for 1 s at step 3 while the others
     go on: rounds close without it and its push is refused as late and kept in its
     residual; the refusal names the open round, so it only pulls the rounds before it
@@ -324,7 +338,8 @@ def test_topk_workers_with_a_straggler_lose_no_gradient_mass(quorum_server, skip
     closed rounds' aggregates and pushes its residual's pairs to the open one). Every
     worker takes part in every round and applies the same aggregates, and the sum of the
     gradients computed equals the sum of the aggregates applied plus every worker's
-    residual, exactly."""
+    residual, exactly: ``unscaled`` applies the contributors' sums as they are, ``owed``
+    scales them by 3/2 and the missing worker's residual gives up the stand-in."""
     store, address = quorum_server
     steps, results = 24, {}
 
@@ -332,7 +347,8 @@ def test_topk_workers_with_a_straggler_lose_no_gradient_mass(quorum_server, skip
         time.sleep(1.0 if rank == 2 and step == 3 else 0.05)
 
     def work(rank: int) -> None:
-        results[rank] = worker.run(address, rank, 3, steps, lambda s: stall(rank, s), skip)
+        results[rank] = worker.run(address, rank, 3, steps, lambda s: stall(rank, s), skip,
+                                   partial)
 
     threads = [threading.Thread(target=work, args=(r,)) for r in range(3)]
     for t in threads:
@@ -362,21 +378,47 @@ class _Client:
         pass
 
 
-def test_each_shards_sum_is_scaled_to_the_mean_over_its_contributors():
-    """With 4 workers, a shard summed by 3 is multiplied by 4/3 (so the job's average over
-    4 is the mean over those 3); a full shard is left alone; unscaled on request."""
+@pytest.mark.parametrize("partial", PARTIAL)
+def test_each_shards_sum_is_scaled_and_owed_as_partial_says(partial):
+    """4 workers; shard 0 (entries 0-3) summed by 3 of them, shard 1 by all. Scaled
+    designs multiply shard 0 by 4/3 (the mean over its 3 contributors), ``unscaled``
+    leaves it; a full shard is left alone. This worker owes the stand-in (shard 0's sum
+    over 3) when ``owed`` and it missed the shard (late or pulled only), and when
+    ``refund`` and its push was refused as late, not when it only pulled."""
     op = SparseSum("sparse", 8, torch.tensor([1, 6]), torch.tensor([3.0, 4.0]))
-    for scale, factor in ((True, 4 / 3), (False, 1.0)):
-        comm = ParameterServerCommunicator(SparseOnly(0, 4), _Client(), "s",
-                                           scale_partial=scale)
-        pending = PendingRound("t", 0, [0, 4, 8], [], [], late=[None, None], missing=[1, 0])
-        result = comm._partial(_ServerRound("t", op, pending), torch.full((8,), 3.0))
-        assert isinstance(result, PartialSum) and result.refused is None
-        assert result.contributors == (3, 4)
-        assert result.total.tolist() == [3.0 * np.float32(factor)] * 4 + [3.0] * 4
+    scaled = partial != "unscaled"
+    for late, skipped in ((None, False), ("late", False), (None, True)):
+        comm = ParameterServerCommunicator(SparseOnly(0, 4), _Client(), "s", partial=partial)
+        pending = PendingRound("t", 0, [0, 4, 8], [], [], late=[late, None], missing=[1, 0])
+        result = comm._partial(_ServerRound("t", op, pending, skipped), torch.full((8,), 3.0))
+        assert isinstance(result, PartialSum) and result.contributors == (3, 4)
+        factor = np.float32(4 / 3) if scaled else 1.0
+        assert result.total.tolist() == [3.0 * factor] * 4 + [3.0] * 4
+        owes = (partial == "owed" and (late or skipped)) or (partial == "refund" and late)
+        if owes:
+            assert result.owed.tolist() == [1.0] * 4 + [0.0] * 4  # 3.0 over 3 workers
+        else:
+            assert result.owed is None
     full = PendingRound("t", 0, [0, 4, 8], [], [], late=[None, None], missing=[0, 0])
     total = torch.ones(8)
     assert comm._partial(_ServerRound("t", op, full), total) is total
+    with pytest.raises(ValueError, match="partial must be one of unscaled"):
+        ParameterServerCommunicator(SparseOnly(0, 4), _Client(), "s", partial="mean")
+
+
+def test_what_a_worker_owes_counts_as_sent_so_its_residual_gives_it_up():
+    """counted_pairs with ``owed``: the counted pairs plus the owed entries, summed where
+    they meet, so error feedback (x - sent) takes the owed mass from the residual."""
+    indices, values = torch.tensor([5, 1, 7]), torch.tensor([2.0, 3.0, 4.0])
+    owed = torch.tensor([0.0, 0.5, 0.25, 0.0, 0.0, 0.0, 0.0, 0.0])
+    refused = torch.tensor([False, False, True])
+    result = PartialSum(torch.zeros(8), refused, (3,), owed)
+    _, got_idx, got_val = counted_pairs(result, indices, values)
+    assert got_idx.tolist() == [1, 2, 5] and got_val.tolist() == [3.5, 0.25, 2.0]
+    x = torch.zeros(8)
+    x[indices] = values
+    x.index_add_(0, got_idx, got_val, alpha=-1)
+    assert x.tolist() == [0.0, -0.5, -0.25, 0.0, 0.0, 0.0, 0.0, 4.0]  # refused 7 kept
 
 
 class _LoopWorld:
@@ -444,6 +486,17 @@ def test_the_stragglers_bench_runs_every_mode(capsys):
     for label in stragglers.MODES.values():
         computed = int(rows[label].split()[-3].split("/")[0])
         assert computed <= 4 and (computed == 4 or "skipping" in label), out
+
+
+def test_the_stragglers_bench_names_the_designs_it_takes(capsys):
+    """``--designs`` takes the communicator's ``partial`` values, each with ``+open``."""
+    from hvd_compress.bench import stragglers
+
+    with pytest.raises(SystemExit):
+        stragglers.main(["--task", "digits", "--designs", "unscaled,mean,owed+close"])
+    err = capsys.readouterr().err
+    assert "--designs takes unscaled, scaled, owed, refund" in err
+    assert "got mean, owed+close" in err
 
 
 def test_a_pull_only_round_sends_no_push_over_mpi():

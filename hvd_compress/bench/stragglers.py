@@ -21,6 +21,7 @@ the pushes refused as late. docs/reliability.md#stragglers has runs.
 from __future__ import annotations
 
 import argparse
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -28,7 +29,12 @@ from typing import Any
 
 import torch
 
-from hvd_compress.comm.parameter_server import ParameterServerCommunicator, skip_behind
+from hvd_compress.comm.parameter_server import (
+    DEFAULT_PARTIAL,
+    PARTIAL,
+    ParameterServerCommunicator,
+    skip_behind,
+)
 from hvd_compress.comm.ps_transport.grpc import PSClient
 from hvd_compress.pipeline import Pipeline
 from hvd_compress.schemes.topk import TopK
@@ -146,7 +152,7 @@ def _train_worker(address: str, rank: int, args: argparse.Namespace, mode: str,
         model.parameters(), **options)
     client = PSClient(address, rank, timeout=300, retry_timeout=60)
     comm = ParameterServerCommunicator(SparseOnly(rank, args.workers), client, args.task,
-                                       scale_partial=args.scale_partial)
+                                       partial=args.partial)
     pipeline = Pipeline(TopK(0.01), comm, Policy(min_numel=0, compress_1d=True))
     params = dict(model.named_parameters())
     gen = torch.Generator().manual_seed(1000 + rank)
@@ -162,7 +168,9 @@ def _train_worker(address: str, rank: int, args: argparse.Namespace, mode: str,
     computed, began = 0, time.perf_counter()
     steps = range(settings["steps"])
     try:
-        for _ in skip_behind(steps, comm, skip_step) if "skip" in mode else steps:
+        loop = skip_behind(steps, comm, skip_step, compute_open=args.compute_open) \
+            if "skip" in mode else steps
+        for _ in loop:
             computed += 1
             if not mode.startswith("undelayed") and rank == args.workers - 1 and \
                     computed % args.every == 0:
@@ -205,21 +213,45 @@ def train(args: argparse.Namespace, mode: str) -> dict[str, Any]:
             "partial": store.partial_rounds / max(store.closed_rounds, 1)}
 
 
+def design_name(args: argparse.Namespace, mode: str) -> str:
+    """A run's design: ``partial`` (and ``+open`` with ``compute_open``) for a quorum
+    run; empty for full rounds, where no round is partial."""
+    if mode in ("undelayed", "full"):
+        return ""
+    return args.partial + ("+open" if args.compute_open else "")
+
+
 def train_main(args: argparse.Namespace, modes: list[str]) -> int:
+    """Every ``--seeds`` seed: full-round modes once, quorum modes once per design."""
     steps = TRAIN[args.task]["steps"]
+    designs = [d.strip() for d in args.designs.split(",") if d.strip()]
     print(f"--task {args.task}: {args.workers} workers, {steps} rounds, top-k 1 % of every "
           f"tensor; worker {args.workers - 1} sleeps {args.delay * args.compute:g} s on every "
-          f"{args.every}th step it computes; quorum {args.quorum}, grace {args.grace:g} s, "
-          f"{'scaled to the contributors' if args.scale_partial else 'unscaled'}, "
-          f"seed {args.seed}")
-    print(f"{'run':<30} {'held-out loss':>13} {'accuracy':>9} {'job step':>9} "
-          f"{'computed':>9} {'partial':>7} replicas")
-    for mode in _launches(args.repeat, modes):
-        r = train(args, mode)
-        print(f"{MODES[mode]:<30} {r['loss']:13.4f} {100 * r['accuracy']:8.2f}% "
-              f"{1e3 * r['job']:6.1f} ms {r['computed']:5d}/{steps:<3d} "
-              f"{100 * r['partial']:6.1f}% "
-              f"{'identical' if r['identical'] else 'DIFFER'}", flush=True)
+          f"{args.every}th step it computes; quorum {args.quorum}, grace {args.grace:g} s")
+    print(f"{'seed':>4} {'run':<30} {'design':<14} {'held-out loss':>13} {'accuracy':>9} "
+          f"{'job step':>9} {'computed':>9} {'partial':>7} replicas")
+    rows = []
+    for seed in [int(s) for s in args.seeds.split(",")]:
+        for mode in _launches(args.repeat, modes):
+            for design in designs if mode not in ("undelayed", "full") else [designs[0]]:
+                partial, _, extra = design.partition("+")
+                run_args = argparse.Namespace(**{**vars(args), "seed": seed,
+                                                 "partial": partial,
+                                                 "compute_open": extra == "open"})
+                r = train(run_args, mode)
+                name = design_name(run_args, mode)
+                rows.append({"seed": seed, "mode": mode, "design": name,
+                             **{k: v for k, v in r.items()}})
+                print(f"{seed:4d} {MODES[mode]:<30} {name:<14} {r['loss']:13.4f} "
+                      f"{100 * r['accuracy']:8.2f}% {1e3 * r['job']:6.1f} ms "
+                      f"{r['computed']:5d}/{steps:<3d} {100 * r['partial']:6.1f}% "
+                      f"{'identical' if r['identical'] else 'DIFFER'}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"task": args.task, "workers": args.workers, "rounds": steps,
+                       "quorum": args.quorum, "grace": args.grace,
+                       "delay": args.delay * args.compute, "every": args.every,
+                       "runs": rows}, f, indent=1)
     return 0
 
 
@@ -248,13 +280,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--task", choices=sorted(TRAIN),
                         help="train this model instead (compute is real; --compute only "
                         "scales the delay)")
-    parser.add_argument("--seed", type=int, default=0, help="--task's initial weights")
-    parser.add_argument("--unscaled", dest="scale_partial", action="store_false",
-                        help="--task: average a round closed without a worker over all "
-                        "workers (scale_partial=False), not over its contributors")
+    parser.add_argument("--seeds", default="0",
+                        help="--task's initial weights: seeds, comma-separated")
+    parser.add_argument("--designs", default=DEFAULT_PARTIAL,
+                        help="--task: what a partial round applies, comma-separated, each "
+                        f"run side by side: {', '.join(PARTIAL)} (ParameterServer"
+                        "Communicator's partial), with +open the late worker computes a "
+                        "gradient for the open round (skip_behind's compute_open)")
+    parser.add_argument("--json", help="--task: write every run's figures to this file")
     args = parser.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = sorted(set(modes) - set(MODES))
+    bad = [d for d in args.designs.split(",") if d.strip().partition("+")[0] not in PARTIAL
+           or d.strip().partition("+")[2] not in ("", "open")]
+    if bad:
+        parser.error(f"--designs takes {', '.join(PARTIAL)}, each optionally with +open; "
+                     f"got {', '.join(bad)}")
     if unknown or ("undelayed" not in modes and args.task is None):
         parser.error(f"--modes takes {', '.join(MODES)} including undelayed (the base); "
                      f"got {args.modes!r}")

@@ -27,6 +27,12 @@ from hvd_compress.comm.staging import pairs_to_device
 from hvd_compress.ps_protocol import CA_ENV as CA_ENV  # re-exported: older imports
 from hvd_compress.ps_protocol import PS_ENV as PS_ENV  # re-exported: ps= when not given
 
+PARTIAL = ("unscaled", "scaled", "owed", "refund")
+"""What a round closed without every worker applies (``ParameterServerCommunicator``'s
+``partial``); docs/reliability.md#stragglers has their accuracy."""
+
+DEFAULT_PARTIAL = "unscaled"
+
 
 @dataclass
 class _ServerRound:
@@ -51,10 +57,24 @@ class ParameterServerCommunicator:
     With a server quorum (``--quorum``), ``wait`` returns a
     :class:`~hvd_compress.comm.ps_transport.base.PartialSum` for a round that did not sum
     every worker's pairs or refused this worker's push as late (the sparse schemes keep
-    the refused pairs in their residual); ``scale_partial`` (default True) multiplies
-    each shard's sum by ``W / contributors`` so that the job's average is the mean over
-    the workers that contributed. Every worker, the late one too, gets the same result.
-    docs/reliability.md#stragglers has the step times measured with it.
+    the refused pairs in their residual). ``partial`` says what such a round applies
+    (:data:`PARTIAL`; every worker, the late one too, gets the same result):
+
+    * ``"unscaled"``: the contributors' sum, as it is (averaged over all ``W`` workers:
+      a round with ``K`` contributors takes a ``K / W`` step). Exact conservation: the
+      sum of every aggregate applied plus every worker's residual equals the sum of every
+      gradient computed.
+    * ``"scaled"``: each shard's sum times ``W / K`` (the mean over the contributors).
+      Not conserving: a late worker's refused pairs stay in its residual and arrive
+      later, so the mass the scaling stood in for them is applied twice.
+    * ``"owed"``: scaled, and each worker missing from a shard owes what the scaling
+      stood in for it (the shard's sum over ``K``): it is taken from its residual (the
+      pairs the scheme counts as sent include it), so conservation is exact again.
+    * ``"refund"``: scaled, and a worker whose push was refused as late owes the stand-in
+      of that round (its gradient arrives later), not of the rounds it skipped (their
+      gradients were never computed): conservation holds in expectation only.
+
+    docs/reliability.md#stragglers has the accuracy of each and the step times.
 
     A late refusal names the round ``R`` the server has open, so the worker knows that
     every round before ``R`` closed without it: for those, ``start`` sends no push (a
@@ -72,12 +92,15 @@ class ParameterServerCommunicator:
     """
 
     def __init__(self, dense: Communicator, client: ShardedClient, session: str,
-                 scale_partial: bool = True) -> None:
+                 partial: str = DEFAULT_PARTIAL) -> None:
         if client.worker != dense.rank:
             raise ValueError(f"parameter-server worker id {client.worker} differs from the "
                              f"rank {dense.rank}; each rank must push as its own worker")
+        if partial not in PARTIAL:
+            raise ValueError(f"partial must be one of {', '.join(PARTIAL)} (what a round "
+                             f"closed without every worker applies), got {partial!r}")
         self.dense, self.client, self.session = dense, client, session
-        self.scale_partial = scale_partial
+        self.partial = partial
         client.expect_workers(dense.size)  # servers that are told check their --workers
         self.rank, self.size = dense.rank, dense.size
         self.ordered = getattr(dense, "ordered", False)
@@ -100,14 +123,16 @@ class ParameterServerCommunicator:
         # The pairs' host copy (made once: the byte count has it too).
         return _ServerRound(name, op, self.client.start(tensor, round, op.numel, *op.host))
 
-    def behind(self) -> int:
+    def behind(self, open_round: bool = True) -> int:
         """How many of the coming rounds of every sparse tensor closed without this worker
-        (as the servers' late refusals told), plus the round open then (0 when it is not
-        behind): a loop may run that many steps without computing gradients
-        (:func:`skip_behind`)."""
+        (as the servers' late refusals told), plus the round open then unless
+        ``open_round`` is False (0 when it is not behind): a loop may run that many steps
+        without computing gradients (:func:`skip_behind`)."""
         if not self._resync:
             return 0
-        return max(0, min(self._resync.get(name, 0) - r for name, r in self._rounds.items()))
+        extra = 0 if open_round else 1
+        return max(0, min(self._resync.get(name, 0) - extra - r
+                          for name, r in self._rounds.items()))
 
     def wait(self, handle: Any) -> torch.Tensor | list[torch.Tensor] | PartialSum:
         if not isinstance(handle, _ServerRound):
@@ -125,25 +150,42 @@ class ParameterServerCommunicator:
     def _partial(self, handle: _ServerRound, total: torch.Tensor
                  ) -> torch.Tensor | PartialSum:
         """``total`` as it is when every shard summed all workers including this one;
-        else a :class:`PartialSum` (scaled when ``scale_partial``)."""
+        else a :class:`PartialSum` as ``partial`` says (scaled, and what this worker
+        owes)."""
         pending = handle.pending
         counts = tuple(self.size - missing for missing in pending.missing)
         refused = torch.ones_like(handle.op.indices, dtype=torch.bool) if handle.skipped \
             else pending.refused(handle.op.indices)
         if refused is None and min(counts) >= self.size:
             return total
-        if self.scale_partial:
+        owed = None
+        if self.partial != "unscaled":
             for s, k in enumerate(counts):
-                if k < self.size:
-                    total[pending.bounds[s]:pending.bounds[s + 1]] *= self.size / k
-        return PartialSum(total, refused, counts)
+                if k >= self.size:
+                    continue
+                shard = slice(pending.bounds[s], pending.bounds[s + 1])
+                if self._owes(handle, s):  # the stand-in for this worker: the sum over K
+                    owed = torch.zeros_like(total) if owed is None else owed
+                    owed[shard] = total[shard] / k
+                total[shard] *= self.size / k
+        return PartialSum(total, refused, counts, owed)
+
+    def _owes(self, handle: _ServerRound, shard: int) -> bool:
+        """Whether this worker owes the stand-in the scaling applied for it on ``shard``:
+        ``owed``, a shard it missed (pull-only round or late push); ``refund``, a late
+        push only (its pairs arrive later; a skipped round's gradient never existed)."""
+        late = handle.pending.late[shard] is not None if handle.pending.late else False
+        if self.partial == "owed":
+            return handle.skipped or late
+        return self.partial == "refund" and late and not handle.skipped
 
 
 T = TypeVar("T")
 
 
 def skip_behind(batches: Iterable[T], comm: Any,
-                skip_step: Callable[[], Any] | None = None) -> Iterator[T]:
+                skip_step: Callable[[], Any] | None = None,
+                compute_open: bool = False) -> Iterator[T]:
     """``batches``, less those of the rounds that closed without this worker.
 
     Wrap a training loop's loader with it and the loop needs no other change::
@@ -163,13 +205,16 @@ def skip_behind(batches: Iterable[T], comm: Any,
     ``hvd_compress.torch`` optimizer, a :class:`~hvd_compress.pipeline.Pipeline`);
     without one (no servers) every batch is yielded. ``skip_step`` defaults to
     ``comm.zero_grad(); comm.step()`` for an optimizer (whose ``step`` sends zeros for
-    parameters without a gradient). docs/reliability.md#stragglers has measurements.
+    parameters without a gradient). ``compute_open``: compute a gradient for the round
+    open when the refusal came (rather than a step on zeros that pushes the residual
+    only), at the risk of being late for it again. docs/reliability.md#stragglers has
+    measurements.
     """
     if skip_step is None:
         skip_step = partial(_zero_step, comm)
     for batch in batches:
         server = _find_communicator(comm)  # looked up again: an elastic reset replaces it
-        if server is not None and server.behind() > 0:
+        if server is not None and server.behind(open_round=not compute_open) > 0:
             skip_step()
             continue
         yield batch

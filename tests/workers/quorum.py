@@ -17,7 +17,11 @@ import numpy as np
 import torch
 
 from hvd_compress.bench.stragglers import SparseOnly
-from hvd_compress.comm.parameter_server import ParameterServerCommunicator, skip_behind
+from hvd_compress.comm.parameter_server import (
+    DEFAULT_PARTIAL,
+    ParameterServerCommunicator,
+    skip_behind,
+)
 from hvd_compress.comm.ps_client import PSClient
 from hvd_compress.comm.ps_transport.base import PartialSum
 from hvd_compress.pipeline import Pipeline
@@ -52,16 +56,17 @@ def gradient(rank: int, step: int) -> torch.Tensor:
 
 def run(address: str, rank: int, size: int, steps: int,
         before_step: Callable[[int], None] = lambda step: None,
-        skip: bool = False) -> dict[str, Any]:
+        skip: bool = False, partial: str = DEFAULT_PARTIAL) -> dict[str, Any]:
     """Train-free steps: each pushes ``gradient(rank, step)`` through top-k and the server
-    at ``address`` (raw sums: no average, no scaling). With ``skip``, the steps of rounds
+    at ``address`` (raw sums: no average; ``partial`` as the communicator takes it, by
+    default its default). With ``skip``, the steps of rounds
     that closed without this worker compute nothing (no ``before_step``, no gradient:
     :func:`~hvd_compress.comm.parameter_server.skip_behind`) and exchange zeros. Returns
     the sum of the gradients computed, of aggregates, the residual, every aggregate's
     bytes (for replica identity), per round (contributors, refused pairs), and the steps
     skipped."""
     client = PSClient(address, rank, timeout=60, retry_timeout=60)
-    comm = Recording(SparseOnly(rank, size), client, "quorum-test", scale_partial=False)
+    comm = Recording(SparseOnly(rank, size), client, "quorum-test", partial=partial)
     pipeline = Pipeline(TopK(RATIO), comm, average=False)
     grads = torch.zeros(SHAPE)
     applied = torch.zeros(SHAPE)

@@ -152,18 +152,21 @@ class PartialSum:
     """A :class:`~hvd_compress.comm.ops.SparseSum`'s result when a server quorum closed
     the round without every worker, or without this one.
 
-    ``total``: the flat float32 sum, as every worker of the round gets it (with
-    ``ParameterServerCommunicator(scale_partial=True)``, shard ``s``'s slice multiplied by
-    ``W / contributors[s]``, so averaging over ``W`` gives the mean over the workers that
-    contributed). ``refused``: a mask over this rank's pairs (in the order of the request)
+    ``total``: the flat float32 sum, as every worker of the round gets it (but for
+    ``ParameterServerCommunicator(partial="unscaled")``, shard ``s``'s slice multiplied
+    by ``W / contributors[s]``, so averaging over ``W`` gives the mean over the workers
+    that contributed). ``refused``: a mask over this rank's pairs (in the order of the request)
     that no aggregate holds (its push was late), None when every pair was summed;
-    ``contributors``: the workers summed, per shard. A scheme passes it through
-    :func:`counted_pairs` and keeps the refused pairs in its residual.
+    ``contributors``: the workers summed, per shard; ``owed``: flat, what ``total``'s
+    scaling stood in for this rank (``partial="owed"`` or ``"refund"``), which its
+    residual gives up, or None. A scheme passes it through :func:`counted_pairs` and
+    keeps the refused pairs in its residual.
     """
 
     total: torch.Tensor
     refused: torch.Tensor | None
     contributors: tuple[int, ...]
+    owed: torch.Tensor | None = None
 
 
 def counted_pairs(result: torch.Tensor | PartialSum, indices: torch.Tensor,
@@ -172,13 +175,20 @@ def counted_pairs(result: torch.Tensor | PartialSum, indices: torch.Tensor,
     rank that it holds, from the ``result`` a communicator returned for the request of
     ``indices`` and ``values``. Every pair unless ``result`` is a :class:`PartialSum`
     with refused pairs: error feedback subtracts only the counted pairs, so the refused
-    ones stay in the residual whole and travel in a later round (no mass is lost)."""
+    ones stay in the residual whole and travel in a later round (no mass is lost). With
+    ``owed``, the pairs returned are the counted ones plus what this rank owes, so error
+    feedback takes that from the residual too."""
     if not isinstance(result, PartialSum):
         return result, indices, values
-    if result.refused is None:
+    if result.refused is not None:
+        keep = ~result.refused
+        indices, values = indices[keep], values[keep]
+    if result.owed is None:
         return result.total, indices, values
-    keep = ~result.refused
-    return result.total, indices[keep], values[keep]
+    counted = result.owed.to(device=values.device, dtype=torch.float32, copy=True)
+    counted.index_add_(0, indices, values.float())
+    indices = counted.nonzero().reshape(-1)
+    return result.total, indices, counted[indices].to(values.dtype)
 
 
 class ShardedClient(ABC):
