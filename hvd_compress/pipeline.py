@@ -43,6 +43,7 @@ from hvd_compress.schemes.base import (
     total,
     write_scaled,
 )
+from hvd_compress.schemes.batched import batches
 from hvd_compress.schemes.dense import NoCompression
 from hvd_compress.schemes.packed import PackedScheme
 from hvd_compress.step_stats import StepStats
@@ -66,8 +67,10 @@ class _InFlight:
     grad: torch.Tensor
     x: torch.Tensor
     scheme: Scheme
-    exchange: Exchange
+    exchange: Exchange | None  # None: deferred to its bucket's batched exchange
     feedback: bool = False  # x is g + e: the residual is committed with the outcome
+    ctx: ExchangeContext | None = None
+    parts: list[_InFlight] | None = None  # a batched exchange: the members it runs for
     request: Collective | None = None  # yielded by the exchange, not yet started
     outcome: Outcome | None = None
     codec: PackedScheme | None = None  # a compressed all-reduce without error feedback
@@ -276,7 +279,19 @@ class Pipeline:
         self._current.seconds["feedback"] += time.perf_counter() - started
         ctx = ExchangeContext(name, self.comm.rank, self.comm.size, self._steps[name],
                               self.seed)
-        exchange = scheme.exchange(x, self._scheme_state.get(name, {}), ctx)
+        state = self._scheme_state.get(name, {})
+        if grad.numel() and batches(scheme) and scheme.batches(x, state, ctx):  # type: ignore[attr-defined]
+            # Its exchange starts with its bucket's, for all of them at once.
+            flight = _InFlight(name, grad, x, scheme, None, feedback, ctx)
+            self._inflight[name] = flight
+            try:
+                self._place(flight)
+            except BaseException as exc:
+                if self._failure is None:
+                    self._failure = exc
+                raise
+            return
+        exchange = scheme.exchange(x, state, ctx)
         flight = _InFlight(name, grad, x, scheme, exchange, feedback)
         codec = None if feedback else self._packed_codec(scheme, x.device)
         if codec is not None and self._reports(name, scheme):
@@ -356,10 +371,19 @@ class Pipeline:
     def _advance(self, flight: _InFlight, result: Any) -> None:
         """Run the exchange to its next request (kept to be started) or to its end."""
         started = time.perf_counter()
+        assert flight.exchange is not None
         try:
             flight.request = flight.exchange.send(result)
         except StopIteration as done:
             flight.request, flight.outcome = None, done.value
+            if flight.parts is not None:
+                outcomes = done.value
+                if len(outcomes) != len(flight.parts):
+                    raise RuntimeError(f"{flight.scheme.name}: a batched exchange returned "
+                                       f"{len(outcomes)} outcomes for {len(flight.parts)} "
+                                       "tensors") from None
+                for part, outcome in zip(flight.parts, outcomes):
+                    part.outcome = outcome
         finally:
             self._current.seconds["scheme"] += time.perf_counter() - started
 
@@ -397,7 +421,26 @@ class Pipeline:
         bucket.members.sort(key=lambda f: self._position.get(f.name, (0, 0)))
         bucket.launched = True
         self._launched.append(bucket)
+        self._start_batches(bucket)
         self._start_phase(bucket)
+
+    def _start_batches(self, bucket: _Bucket) -> None:
+        """Start the exchanges its members deferred (:mod:`hvd_compress.schemes.batched`):
+        one per scheme, dtype and device, in the place of its first member."""
+        deferred: dict[tuple[int, torch.dtype, torch.device], list[_InFlight]] = {}
+        for flight in bucket.members:
+            if flight.exchange is None:
+                key = (id(flight.scheme), flight.x.dtype, flight.x.device)
+                deferred.setdefault(key, []).append(flight)
+        for parts in deferred.values():
+            first, scheme = parts[0], parts[0].scheme
+            exchange = scheme.exchange_many(  # type: ignore[attr-defined]
+                [f.x for f in parts], [self._scheme_state.get(f.name, {}) for f in parts],
+                [f.ctx for f in parts])
+            name = f"{first.name}+{len(parts) - 1}" if len(parts) > 1 else first.name
+            batch = _InFlight(name, first.grad, first.x, scheme, exchange, parts=parts)
+            bucket.members.insert(bucket.members.index(first), batch)
+            self._advance(batch, None)
 
     def _start_phase(self, bucket: _Bucket) -> None:
         """Start the collectives of the bucket's current phase: one per fusion key (in the

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping
+from collections.abc import Generator, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from hvd_compress.comm.ops import AllReduce
 from hvd_compress.schemes.base import Exchange, ExchangeContext, LowRank, Outcome, Scheme
+from hvd_compress.schemes.batched import FactorKey, FlatLayout
 from hvd_compress.schemes.warmup import check_start_iter, dense_warmup
 
 Q_STATE = "q"
@@ -66,6 +67,15 @@ class PowerSGD(Scheme):
 
     Orthogonalisation is a Householder QR, which stays stable when ``P`` is rank-deficient
     (a zero gradient, say), where Gram-Schmidt would divide by zero.
+
+    Past the warm-up, the pipeline hands a bucket's matrices to :meth:`exchange_many` at
+    once (:mod:`hvd_compress.schemes.batched`): every ``P`` (then every ``Q``) of the bucket
+    is computed into one flat buffer that is the round's request, and the matrices of equal
+    shape are orthogonalised by one batched QR. Same products, same QR per matrix: the
+    results are those of :meth:`exchange` tensor by tensor (``tests/test_powersgd_batched.py``
+    checks it bit for bit); only the order of the factors in the round's buffer differs.
+    ``batch_tensors = False`` on an instance keeps the per-tensor path (a performance switch,
+    not an option: checkpoints do not record it). docs/benchmarks.md has the figures.
     """
 
     name = "powersgd"
@@ -85,6 +95,8 @@ class PowerSGD(Scheme):
         self.warm_start = warm_start
         self.loco_beta = self.loco_option(loco_beta)
         self.alternate = alternate
+        self.batch_tensors = True
+        self._layouts: dict[tuple[FactorKey, ...], FlatLayout] = {}
 
     @staticmethod
     def matrix_shape(shape: torch.Size) -> tuple[int, int]:
@@ -116,11 +128,7 @@ class PowerSGD(Scheme):
         matrix = x.reshape(n, m)
         if self.alternate:
             return (yield from self._half_step(matrix, x.shape, r, state, ctx))
-        q = state.get(Q_STATE) if self.warm_start else None
-        if q is None or q.shape != (m, r):
-            gen = ctx.generator("init-q", torch.device("cpu"), shared=True)
-            q = torch.randn(m, r, generator=gen).to(x.device)
-
+        q = self._q(state, ctx, m, r, x.device)
         _, p = yield from _reduce_product("P", matrix, q)
         p_hat = torch.linalg.qr(p).Q
         q_local = (p_hat.t() @ matrix).t()  # M^T P^ (see _reduce_product)
@@ -140,10 +148,7 @@ class PowerSGD(Scheme):
         left = (ctx.step - self.start_iter) % 2 == 1  # odd steps: B = P^, send M^T B
         key = P_STATE if left else Q_STATE
         rows = matrix.shape[0] if left else matrix.shape[1]
-        basis = state.get(key)
-        if basis is None or basis.shape != (rows, r):
-            gen = ctx.generator(f"init-{key}", torch.device("cpu"), shared=True)
-            basis = torch.linalg.qr(torch.randn(rows, r, generator=gen)).Q.to(matrix.device)
+        basis = self._basis(key, state, ctx, rows, r, matrix.device)
         if left:
             local = (basis.t() @ matrix).t()  # M^T B (see _reduce_product)
             total = (yield AllReduce("Q", local.t())).t()
@@ -154,6 +159,120 @@ class PowerSGD(Scheme):
             aggregate, sent = LowRank(total, basis, shape), LowRank(local, basis, shape)
             kept = {P_STATE: torch.linalg.qr(total).Q}
         return Outcome(aggregate, sent, 4 * local.numel(), kept)
+
+    def batches(self, x: torch.Tensor, state: Mapping[str, torch.Tensor],
+                ctx: ExchangeContext) -> bool:
+        """Whether this step of ``x`` goes through :meth:`exchange_many`: past the warm-up,
+        unless ``batch_tensors`` is off."""
+        return self.batch_tensors and ctx.step >= self.start_iter
+
+    def exchange_many(self, xs: Sequence[torch.Tensor],
+                      states: Sequence[Mapping[str, torch.Tensor]],
+                      ctxs: Sequence[ExchangeContext]
+                      ) -> Generator[AllReduce, Any, list[Outcome]]:
+        """:meth:`exchange` of every tensor of ``xs`` (one dtype and device, past the
+        warm-up) at once: one request per round for all of them, one outcome each."""
+        shapes = [x.shape for x in xs]
+        sizes = [self.matrix_shape(shape) for shape in shapes]
+        ranks = [self._rank_for(shape) for shape in shapes]
+        matrices = [x.reshape(nm) for x, nm in zip(xs, sizes, strict=True)]
+        if self.alternate:
+            return (yield from self._half_steps(matrices, shapes, ranks, states, ctxs))
+        qs = [self._q(state, ctx, m, r, x.device) for (_, m), r, state, ctx, x
+              in zip(sizes, ranks, states, ctxs, xs, strict=True)]
+        _, p_total, p_layout = yield from self._reduce_products("P", matrices, qs, False)
+        p_hats = p_layout.orthonormal(p_layout.views(p_total)[1])
+        q_flat, q_total, q_layout = yield from self._reduce_products("Q", matrices, p_hats,
+                                                                    True)
+        return [Outcome(LowRank(p_hat, q_sum, shape), LowRank(p_hat, q_local, shape),
+                        4 * (n + m) * r, {Q_STATE: q_sum})
+                for p_hat, q_local, q_sum, shape, (n, m), r in zip(
+                    p_hats, q_layout.factors(q_flat), q_layout.factors(q_total), shapes,
+                    sizes, ranks, strict=True)]
+
+    def _half_steps(self, matrices: list[torch.Tensor], shapes: list[torch.Size],
+                    ranks: list[int], states: Sequence[Mapping[str, torch.Tensor]],
+                    ctxs: Sequence[ExchangeContext]
+                    ) -> Generator[AllReduce, Any, list[Outcome]]:
+        """:meth:`_half_step` of every matrix: the right-hand ones' ``P`` in one round,
+        then the left-hand ones' ``Q`` in another (one round when, as usual, every tensor
+        is at the same step)."""
+        outcomes: list[Outcome | None] = [None] * len(matrices)
+        for left in (False, True):
+            chosen = [i for i, ctx in enumerate(ctxs)
+                      if ((ctx.step - self.start_iter) % 2 == 1) == left]
+            if not chosen:
+                continue
+            key = P_STATE if left else Q_STATE
+            bases = [self._basis(key, states[i], ctxs[i],
+                                 matrices[i].shape[0 if left else 1], ranks[i],
+                                 matrices[i].device) for i in chosen]
+            mats = [matrices[i] for i in chosen]
+            flat, total, layout = yield from self._reduce_products(
+                "Q" if left else "P", mats, bases, left)
+            locals_, totals = layout.factors(flat), layout.factors(total)
+            kept = layout.orthonormal(layout.views(total)[1])
+            for i, basis, local, total_i, new in zip(chosen, bases, locals_, totals, kept,
+                                                     strict=True):
+                if left:
+                    pair = LowRank(basis, total_i, shapes[i]), LowRank(basis, local, shapes[i])
+                else:
+                    pair = LowRank(total_i, basis, shapes[i]), LowRank(local, basis, shapes[i])
+                outcomes[i] = Outcome(*pair, 4 * local.numel(),
+                                      {(Q_STATE if left else P_STATE): new})
+        assert all(o is not None for o in outcomes)
+        return outcomes  # type: ignore[return-value]
+
+    def _q(self, state: Mapping[str, torch.Tensor], ctx: ExchangeContext, m: int, r: int,
+           device: torch.device) -> torch.Tensor:
+        """The ``m x r`` right factor of this step: the kept ``Q`` (warm start), or a
+        Gaussian drawn alike on every rank."""
+        q = state.get(Q_STATE) if self.warm_start else None
+        if q is None or q.shape != (m, r):
+            gen = ctx.generator("init-q", torch.device("cpu"), shared=True)
+            q = torch.randn(m, r, generator=gen).to(device)
+        return q
+
+    @staticmethod
+    def _basis(key: str, state: Mapping[str, torch.Tensor], ctx: ExchangeContext, rows: int,
+               r: int, device: torch.device) -> torch.Tensor:
+        """The kept orthonormal basis ``key`` (``rows x r``), or the first one: a shared
+        Gaussian, orthonormalised."""
+        basis = state.get(key)
+        if basis is None or basis.shape != (rows, r):
+            gen = ctx.generator(f"init-{key}", torch.device("cpu"), shared=True)
+            basis = torch.linalg.qr(torch.randn(rows, r, generator=gen)).Q.to(device)
+        return basis
+
+    def _reduce_products(self, round_name: str, matrices: Sequence[torch.Tensor],
+                         rights: Sequence[torch.Tensor], left: bool
+                         ) -> Generator[AllReduce, Any,
+                                        tuple[torch.Tensor, torch.Tensor, FlatLayout]]:
+        """Every ``M R`` (or, ``left``, every ``M^T R``, each ``m x r``) into one flat
+        buffer, summed over ranks in one round: (this rank's buffer, the flat sum, their
+        :class:`FlatLayout`). Each factor is stored as
+        :func:`_reduce_product` (or, ``left``, the per-tensor ``Q`` round) lays it out,
+        computed by the same product, written in place into the buffer."""
+        keys: list[FactorKey] = []
+        for matrix, right in zip(matrices, rights, strict=True):
+            n, m = matrix.shape
+            r = right.shape[1]
+            keys.append((m, r, True) if left else (n, r, _transposed(n, m, r)))
+        layout = self._layouts.get(key := tuple(keys))
+        if layout is None:
+            layout = self._layouts[key] = FlatLayout.of(keys)
+        flat = torch.empty(layout.numel, dtype=matrices[0].dtype, device=matrices[0].device)
+        stored = layout.views(flat)[0]
+        for matrix, right, out, (_, _, transposed) in zip(matrices, rights, stored, keys,
+                                                          strict=True):
+            if left:  # M^T R as (R^T M)^T, as exchange() computes Q
+                torch.matmul(right.t(), matrix, out=out)
+            elif transposed:
+                torch.matmul(right.t().contiguous(), matrix.t(), out=out)
+            else:
+                torch.matmul(matrix, right, out=out)
+        total = yield AllReduce(round_name, flat)
+        return flat, total, layout
 
     def options(self) -> dict[str, Any]:
         """``alternate`` only when on, so checkpoints from before the option still load."""
@@ -168,6 +287,11 @@ class PowerSGD(Scheme):
 TRANSPOSED_UP_TO = 1 << 19
 """The most elements of ``M`` for which :func:`_reduce_product` computes ``M R`` at rank
 above 4 as ``(R^T M^T)^T`` (up to rank 4 it always does)."""
+
+
+def _transposed(n: int, m: int, rank: int) -> bool:
+    """Whether :func:`_reduce_product` computes ``M R`` (``M`` being ``n x m``) transposed."""
+    return rank <= 4 or n * m <= TRANSPOSED_UP_TO
 
 
 def _reduce_product(round_name: str, matrix: torch.Tensor, right: torch.Tensor
@@ -187,8 +311,7 @@ def _reduce_product(round_name: str, matrix: torch.Tensor, right: torch.Tensor
     keeps ``Q``) is used without a copy.
     """
     n, m = matrix.shape
-    rank = right.shape[1]
-    if rank <= 4 or n * m <= TRANSPOSED_UP_TO:
+    if _transposed(n, m, right.shape[1]):
         local_t = right.t().contiguous() @ matrix.t()
         total_t = yield AllReduce(round_name, local_t)
         return local_t.t(), total_t.t()
