@@ -1,6 +1,7 @@
 """``python -m hvd_compress.bench converge --quick``: the harness trains every configuration
-of its plan on 2 ranks (horovodrun, Gloo) and writes what it promises. The figures are the
-benchmark's to report; this checks that they are produced and sane."""
+of its plan on 2 ranks (horovodrun, Gloo), top-k also through real parameter servers in
+both modes, and writes what it promises. The figures are the benchmark's to report; this
+checks that they are produced and sane."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import math
 from pathlib import Path
 
+import psutil
 import pytest
 
 from hvd_compress.bench import cli, converge
@@ -65,12 +67,75 @@ def test_bytes_come_from_the_optimizers_statistics(quick: tuple[Path, list[dict]
         if r["name"] == "none":  # float32 all-reduce: exactly the dense size
             assert r["bytes_per_step"] == r["dense_bytes_per_step"]
             assert r["ratio"] == 1.0 and r["loss_gap_pct"] == 0.0
-        else:  # compression after its warm-up sends fewer bytes than during it
-            assert r["warmup_steps"] > 0
+        elif r["warmup_steps"] > 0:  # compression after its warm-up sends fewer bytes
             assert r["bytes_per_step_after_warmup"] < r["bytes_per_step"]
             assert r["ratio_after_warmup"] > r["ratio"] > 1.0
+        else:  # top-k from the first step: 1% of the large tensors' entries
+            assert r["name"].startswith("topk")
+            assert r["ratio_after_warmup"] == r["ratio"] > 10
     adam = next(r for r in rows if r["name"] == "onebit-adam")
     assert adam["ratio_after_warmup"] > 16  # 1 bit per element for the large tensors
+
+
+@pytest.mark.multiprocess
+def test_topk_through_a_real_server_in_each_mode(quick: tuple[Path, list[dict], str]) -> None:
+    """Each server row went through its own server, which closed every round of every
+    step; union mode is the collectives' exact sum (the same training, step for step);
+    top-k mode answers at most as many pairs as a worker pushed, union mode more."""
+    out, rows, _ = quick
+    by_name = {r["name"]: r for r in rows if r["task"] == "digits"}
+    union, topk, gathered = (by_name[n] for n in ("topk-server-union", "topk-server-topk",
+                                                  "topk"))
+    assert (union["ps_mode"], topk["ps_mode"], gathered["ps_mode"]) == ("union", "topk", None)
+    assert "server_rounds" not in gathered
+    for r in (union, topk):
+        assert r["server_failed_rounds"] == 0
+        assert r["server_rounds"] >= r["steps"] and r["server_rounds"] % r["steps"] == 0
+    assert union["bytes_per_step"] == gathered["bytes_per_step"]  # the same pushes
+    assert union["curve"] == gathered["curve"]
+    assert union["final_loss"] == gathered["final_loss"]
+    assert topk["curve"] != gathered["curve"]  # the server's top-k is another sum
+    assert topk["pull_push_ratio"] <= 1.0 < union["pull_push_ratio"]
+    assert topk["server_out_bytes_per_step"] < union["server_out_bytes_per_step"]
+    table = (out / "converge.md").read_text()
+    assert "via a parameter server, `--mode topk`" in table
+    assert "| topk-server-union | union | " in table
+    leftover = [p.cmdline() for p in psutil.Process().children(recursive=True)]
+    assert not [c for c in leftover if "ps_server" in c], leftover
+
+
+@pytest.mark.multiprocess
+def test_the_servers_are_stopped_when_the_launch_fails(monkeypatch: pytest.MonkeyPatch
+                                                       ) -> None:
+    plan = converge.Plan.full(["digits"], only=["topk-server-topk"])
+    started = []
+
+    def fail(plan: converge.Plan, directory: Path, servers: dict[int, str]) -> list:
+        started.extend(servers.values())
+        raise converge.LaunchError("horovodrun exited with 1")
+
+    monkeypatch.setattr(converge, "_launch", fail)
+    with pytest.raises(converge.LaunchError):
+        converge.run(plan)
+    assert len(started) == 1 and started[0].startswith("grpc://127.0.0.1:")
+    leftover = [p.cmdline() for p in psutil.Process().children(recursive=True)]
+    assert not [c for c in leftover if "ps_server" in c], leftover
+
+
+def test_server_rows_follow_the_modes_asked_for() -> None:
+    names = [c.name for c in converge.Plan.full(["lm"], ps_modes=["topk"]).configs]
+    assert "topk-server-topk" in names and "topk-server-union" not in names
+    plan = converge.Plan.full(["digits"], ps_modes=[])
+    assert all(c.ps_mode is None for c in plan.configs)
+    topk = next(c for c in converge.recommended("lm", 400) if c.name == "topk")
+    for mode in converge.PS_MODES:  # the topk row's scheme and optimizer, through a server
+        row = next(c for c in converge.recommended("lm", 400)
+                   if c.name == f"topk-server-{mode}")
+        assert (row.scheme, row.optimizer, row.ps_mode) == (topk.scheme, topk.optimizer, mode)
+    args = cli.build_parser().parse_args(["converge", "--ps-modes", "none"])
+    assert args.ps_modes == []
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["converge", "--ps-modes", "sum"])
 
 
 @pytest.mark.multiprocess

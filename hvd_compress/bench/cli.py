@@ -238,8 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "converge-<task>-steps.png and converge-<task>-bytes.png here")
     conv.add_argument("--json", type=Path, help="write the rows to this file")
     conv.add_argument("--quick", action="store_true",
-                      help="a few dozen steps of both tasks, three configurations each: "
-                      "checks the harness in under a minute")
+                      help="a few dozen steps of both tasks, three configurations each "
+                      "(digits also top-k, by the collectives and through a server per "
+                      "--ps-modes mode): checks the harness in a minute or two")
     conv.add_argument("--tasks", type=_comma_list(_task), default=list(converge.TASKS),
                       help="lm (character transformer), digits, or both (default lm,digits)")
     conv.add_argument("--only", type=_comma_list(str),
@@ -254,6 +255,10 @@ def build_parser() -> argparse.ArgumentParser:
                       "on stderr (default: lm 25, digits 50)")
     conv.add_argument("--timeout", type=_positive_int, default=1800,
                       help="seconds before the launch is aborted (default 1800)")
+    conv.add_argument("--ps-modes", type=_ps_modes, default=list(converge.PS_MODES),
+                      help="server modes of the topk-server-<mode> rows (top-k through a "
+                      "parameter server started for the row): union, topk, both (default "
+                      "union,topk), or none")
     return parser
 
 
@@ -277,17 +282,30 @@ def _task(name: str) -> str:
     return name
 
 
+def _ps_modes(text: str) -> list[str]:
+    """``--ps-modes``: ``none``, or server modes, comma-separated."""
+    from ps_server.store import MODES
+
+    modes = [] if text == "none" else text.split(",")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown server mode {', '.join(unknown)}; choose "
+                                         f"from {', '.join(MODES)}, or none")
+    return modes
+
+
 def _converge(args: argparse.Namespace, argv: Sequence[str]) -> None:
     steps = {task: count for task, count in (("lm", args.lm_steps),
                                              ("digits", args.digits_steps))
              if count is not None and task in args.tasks}
     if args.quick:
-        plan = converge.Plan.quick()
+        plan = converge.Plan.quick(args.ps_modes)
         plan.tasks = {t: s for t, s in plan.tasks.items() if t in args.tasks}
         plan.configs = [c for c in plan.configs if c.task in args.tasks]
     else:
         try:
-            plan = converge.Plan.full(args.tasks, steps, args.every, args.only)
+            plan = converge.Plan.full(args.tasks, steps, args.every, args.only,
+                                      args.ps_modes)
         except ValueError as err:
             raise SystemExit(f"--only: {err}") from err
     plan.timeout = args.timeout

@@ -15,6 +15,17 @@ runs them all, one after the other, in one ``horovodrun --gloo`` launch on local
   and Signum carry the momentum themselves and run SGD without it); the score is the test
   accuracy on the fixed 20% split.
 
+Top-k also goes through a real parameter server (rows ``topk-server-union`` and
+``topk-server-topk``, the ``topk`` row's scheme and optimizer): :func:`run` starts one
+``python -m ps_server`` per such row on localhost (a free port, ``--workers 2``, its
+``--mode``, a checkpoint directory in the run's temporary directory), the ranks reach it
+with ``DistributedOptimizer(..., ps="grpc://127.0.0.1:PORT")``, and every server is stopped
+when the launch ends, failed or not. Those rows also carry the frame bytes the server
+received and sent per step and rank (its totals at exit, headers included): in ``union``
+mode a worker pulls the sum over the union of every worker's indices, in ``topk`` mode the
+server's global top-k of ``k`` pairs with the rest in its residual
+(``docs/parameter-server.md#choosing-the-mode``).
+
 Each row holds the final held-out loss and accuracy, the gap to the uncompressed run of its
 task (the loss's relative gap in %, the accuracy's in points), the bytes per step each rank
 sent as its optimizer's compression statistics count them (``payload_bytes``; over all
@@ -30,6 +41,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -59,6 +71,18 @@ class Config:
     optimizer: dict[str, Any] = field(default_factory=dict)
     policy: dict[str, Any] = field(default_factory=dict)
     warmup_steps: int = 0
+    ps_mode: str | None = None
+    """``None``: the collectives' route; ``"union"`` or ``"topk"``: the sparse pairs go
+    through a parameter server of that ``--mode`` started for this configuration."""
+
+
+PS_MODES = ("union", "topk")
+"""The server modes of the ``topk-server-<mode>`` rows by default (``ps_server.store.MODES``)."""
+
+
+def server_configs(topk: Config, modes: Sequence[str]) -> list[Config]:
+    """``topk``'s scheme and optimizer through a parameter server in each of ``modes``."""
+    return [replace(topk, name=f"topk-server-{mode}", ps_mode=mode) for mode in modes]
 
 
 LM_OPTIMIZER = {"kind": "adamw", "lr": 3e-3}
@@ -80,9 +104,10 @@ DIGITS_TASK = {"steps": 600, "batch": 32, "eval_every": 50, "lr_warmup": 0, "lr_
 ranks), the evaluation interval, and the schedule: cosine from the peak down to 0.1."""
 
 
-def recommended(task: str, steps: int) -> list[Config]:
+def recommended(task: str, steps: int, ps_modes: Sequence[str] = PS_MODES) -> list[Config]:
     """Every scheme of ``task`` at its recommended settings for a run of ``steps`` steps,
-    uncompressed first (the reference of the gaps)."""
+    uncompressed first (the reference of the gaps); the ``topk`` row also through a
+    parameter server in each of ``ps_modes``."""
     if task == "lm":
         opt = LM_OPTIMIZER
         start = max(steps // 10, 1)  # PowerSGD's and 1-bit's warm-up: 10% uncompressed
@@ -119,6 +144,7 @@ def recommended(task: str, steps: int) -> list[Config]:
             Config(task, "terngrad", "terngrad", doubled),
             Config(task, "topk", "topk:ratio=0.1", sparse),
             Config(task, "topk-loco", "topk:ratio=0.1,loco_beta=0.8", sparse),
+            *server_configs(Config(task, "topk", "topk:ratio=0.1", sparse), ps_modes),
             Config(task, "dgc", "dgc:ratio=0.1,momentum=0.0", sparse),
             # Random-k without error feedback, at the sparsifiers' lr / sqrt(ratio) (Adam's
             # moments both shrink by the ratio, its step by sqrt(ratio);
@@ -156,6 +182,7 @@ def recommended(task: str, steps: int) -> list[Config]:
             Config(task, "terngrad", "terngrad", opt),
             Config(task, "topk", "topk:ratio=0.01", opt),
             Config(task, "topk-loco", "topk:ratio=0.01,loco_beta=0.8", opt),
+            *server_configs(Config(task, "topk", "topk:ratio=0.01", opt), ps_modes),
             Config(task, "dgc", "dgc:ratio=0.01,momentum=0.9", no_momentum),
             Config(task, "randomk", "randomk:ratio=0.1", lighter),
             Config(task, "signum", "vote:momentum=0.9",
@@ -167,7 +194,8 @@ def recommended(task: str, steps: int) -> list[Config]:
 
 TASKS = ("lm", "digits")
 QUICK_NAMES = ("none", "powersgd", "onebit-adam")
-"""The configurations of ``--quick`` (those of a task that it has)."""
+"""The configurations of ``--quick`` (those of a task that it has); on digits also top-k,
+by the collectives and through a server in each mode."""
 
 
 @dataclass
@@ -183,17 +211,20 @@ class Plan:
 
     @classmethod
     def full(cls, tasks: Sequence[str] = TASKS, steps: dict[str, int] | None = None,
-             every: int | None = None, only: Sequence[str] | None = None) -> Plan:
+             every: int | None = None, only: Sequence[str] | None = None,
+             ps_modes: Sequence[str] = PS_MODES) -> Plan:
         """Every recommended configuration of ``tasks``; ``steps`` overrides a task's step
         count, ``every`` its evaluation interval, ``only`` keeps the configurations of
-        those names (uncompressed is always kept: it is the reference)."""
+        those names (uncompressed is always kept: it is the reference), ``ps_modes`` the
+        server modes of the ``topk-server-<mode>`` rows."""
         settings = {"lm": dict(LM_TASK), "digits": dict(DIGITS_TASK)}
         for task, count in (steps or {}).items():
             settings[task]["steps"] = count
         if every is not None:
             for task in settings.values():
                 task["eval_every"] = every
-        every_config = [c for task in tasks for c in recommended(task, settings[task]["steps"])]
+        every_config = [c for task in tasks
+                        for c in recommended(task, settings[task]["steps"], ps_modes)]
         unknown = sorted(set(only or ()) - {c.name for c in every_config})
         if unknown:
             raise ValueError(f"no configuration named {', '.join(unknown)} in "
@@ -204,19 +235,27 @@ class Plan:
         return cls({task: settings[task] for task in tasks}, configs)
 
     @classmethod
-    def quick(cls) -> Plan:
-        """A harness check: a few dozen steps of both tasks, three configurations each, a
-        narrower language model on shorter windows."""
-        plan = cls.full(only=QUICK_NAMES, steps={"lm": 30, "digits": 40}, every=10)
+    def quick(cls, ps_modes: Sequence[str] = PS_MODES) -> Plan:
+        """A harness check: a few dozen steps of both tasks, three configurations each
+        (on digits also top-k, by the collectives and through a server in each of
+        ``ps_modes``), a narrower language model on shorter windows."""
+        topk = ["topk", *(f"topk-server-{mode}" for mode in ps_modes)]
+        plan = cls.full(only=[*QUICK_NAMES, *topk], steps={"lm": 30, "digits": 40},
+                        every=10, ps_modes=ps_modes)
+        plan.configs = [c for c in plan.configs if c.task == "digits" or c.name not in topk]
         plan.tasks["lm"].update(batch=8, context=32, d=64, lr_warmup=5)
         plan.configs = [replace(c, optimizer={**c.optimizer, "freeze_step": 10},
                                 warmup_steps=10) if c.name == "onebit-adam" else c
                         for c in plan.configs]
         return plan
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, servers: dict[int, str] | None = None) -> dict[str, Any]:
+        """The plan for the ranks; ``servers`` maps a configuration's index to the
+        ``ps=`` address of its server."""
+        servers = servers or {}
         return {"tasks": self.tasks, "seed": self.seed,
-                "configs": [asdict(c) for c in self.configs]}
+                "configs": [{**asdict(c), "ps": servers.get(i)}
+                            for i, c in enumerate(self.configs)]}
 
 
 class LaunchError(RuntimeError):
@@ -238,39 +277,130 @@ def launch_command(plan_file: Path, out: Path, progress: Path, ranks: int = 2) -
 
 
 def run(plan: Plan) -> list[Row]:
-    """Train every configuration of ``plan`` on 2 ranks; rows with gaps (:func:`add_gaps`).
-    Rank 0's progress lines go to ``plan.progress`` as they come."""
+    """Train every configuration of ``plan`` on 2 ranks; rows with gaps (:func:`add_gaps`)
+    and, for those through a server, its byte counts (:func:`add_server_bytes`). Rank 0's
+    progress lines go to ``plan.progress`` as they come."""
     with tempfile.TemporaryDirectory(prefix="hvdc-converge-") as tmp:
         directory = Path(tmp)
-        plan_file, out, progress = (directory / name
-                                    for name in ("plan.json", "rows.json", "progress"))
-        plan_file.write_text(json.dumps(plan.to_json()))
-        progress.touch()
-        log = directory / "horovodrun.log"
-        env = {**process_env(), **HOROVOD_ENV}
-        with log.open("w") as sink, progress.open() as lines:
-            proc = subprocess.Popen(launch_command(plan_file, out, progress), cwd=ROOT,
-                                    env=env, stdin=subprocess.DEVNULL, stdout=sink,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
-            give_up = time.monotonic() + plan.timeout
-            try:
-                while proc.poll() is None and time.monotonic() < give_up:
-                    time.sleep(0.5)
-                    for line in lines.readlines():
-                        plan.progress(line.rstrip("\n"))
-            finally:
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-            for line in lines.readlines():
-                plan.progress(line.rstrip("\n"))
-        if proc.returncode != 0:
-            what = f"exited with {proc.returncode}" if proc.returncode != -9 else \
-                f"was still running after the time limit of {plan.timeout:.0f} s"
-            raise LaunchError(f"horovodrun {what}; its output:\n{log.read_text()[-8000:]}")
-        rows = json.loads(out.read_text())
+        servers = start_servers(plan, directory)
+        try:
+            rows = _launch(plan, directory, {i: f"grpc://{address}" for i, address in
+                                             zip(servers.indices, servers.addresses)})
+        finally:
+            totals = stop_servers(servers)
     add_gaps(rows)
+    add_server_bytes(rows, dict(zip(servers.indices, totals)))
     return rows
+
+
+def _launch(plan: Plan, directory: Path, servers: dict[int, str]) -> list[Row]:
+    """One ``horovodrun`` of the ranks over the plan; their rows."""
+    plan_file, out, progress = (directory / name
+                                for name in ("plan.json", "rows.json", "progress"))
+    plan_file.write_text(json.dumps(plan.to_json(servers)))
+    progress.touch()
+    log = directory / "horovodrun.log"
+    env = {**process_env(), **HOROVOD_ENV}
+    with log.open("w") as sink, progress.open() as lines:
+        proc = subprocess.Popen(launch_command(plan_file, out, progress), cwd=ROOT,
+                                env=env, stdin=subprocess.DEVNULL, stdout=sink,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        give_up = time.monotonic() + plan.timeout
+        try:
+            while proc.poll() is None and time.monotonic() < give_up:
+                time.sleep(0.5)
+                for line in lines.readlines():
+                    plan.progress(line.rstrip("\n"))
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        for line in lines.readlines():
+            plan.progress(line.rstrip("\n"))
+    if proc.returncode != 0:
+        what = f"exited with {proc.returncode}" if proc.returncode != -9 else \
+            f"was still running after the time limit of {plan.timeout:.0f} s"
+        raise LaunchError(f"horovodrun {what}; its output:\n{log.read_text()[-8000:]}")
+    return json.loads(out.read_text())
+
+
+# Parameter servers -------------------------------------------------------------------------
+SERVER_STOPPED = re.compile(r"stopped: (\d+) rounds closed, (\d+) failed; (\d+) pushes "
+                            r"accepted; ([\d,]+) bytes in, ([\d,]+) bytes out")
+"""The totals line ``python -m ps_server`` logs when it stops (``ShardService.summary``)."""
+
+
+class Servers:
+    """The parameter servers of a plan: ``indices`` (the configurations they serve, in
+    order), their ``addresses`` and their processes (``processes``, a
+    :class:`hvd_compress.bench.ps.ServerProcesses`, or ``None`` when the plan has none)."""
+
+    def __init__(self, indices: list[int], processes: Any) -> None:
+        self.indices, self.processes = indices, processes
+        self.addresses: list[str] = [] if processes is None else processes.addresses
+
+
+def start_servers(plan: Plan, directory: Path, ranks: int = 2) -> Servers:
+    """One ``python -m ps_server`` per configuration of ``plan`` with a ``ps_mode``, on a
+    free port of localhost, for ``ranks`` workers, in its mode, checkpointing into its own
+    directory under ``directory``; all are up when this returns (none is left running if
+    one fails to start)."""
+    from hvd_compress.bench.ps import ServerProcesses
+
+    indices = [i for i, c in enumerate(plan.configs) if c.ps_mode is not None]
+    if not indices:
+        return Servers([], None)
+    commands = []
+    for i in indices:
+        checkpoints = directory / f"ps-{i}"
+        checkpoints.mkdir()
+        commands.append(["ps_server", "--bind", "127.0.0.1:0", "--workers", str(ranks),
+                         "--mode", str(plan.configs[i].ps_mode), "--deadline", "600",
+                         "--checkpoint-dir", str(checkpoints)])
+    return Servers(indices, ServerProcesses(commands))
+
+
+def stop_servers(servers: Servers, timeout: float = 30) -> list[dict[str, int] | None]:
+    """Stop every server (SIGTERM, then SIGKILL past ``timeout`` s) and remove their logs;
+    each one's totals from its last log line (rounds closed and failed, pushes, frame bytes
+    in and out), ``None`` for one that did not log them."""
+    processes = servers.processes
+    if processes is None:
+        return []
+    for proc in processes.procs:
+        proc.terminate()
+    for proc in processes.procs:
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass  # killed by close() below
+    totals: list[dict[str, int] | None] = []
+    for s in range(len(processes.procs)):
+        log = Path(processes.dir.name) / f"shard{s}.log"
+        match = SERVER_STOPPED.search(log.read_text(errors="replace")) if log.exists() \
+            else None
+        totals.append(None if match is None else dict(zip(
+            ("rounds", "failed_rounds", "pushes", "bytes_in", "bytes_out"),
+            (int(g.replace(",", "")) for g in match.groups()))))
+    processes.close()
+    return totals
+
+
+def add_server_bytes(rows: list[Row], totals: dict[int, dict[str, int] | None],
+                     ranks: int = 2) -> None:
+    """Per row through a server (index in ``rows`` to that server's totals): the
+    server's rounds, and the frame bytes it received (``server_in_bytes_per_step``) and
+    sent (``server_out_bytes_per_step``) per step and rank, headers and acknowledgements
+    included; ``pull_push_ratio``, the second over the first."""
+    for i, row in enumerate(rows):
+        total = totals.get(i)
+        if total is None:
+            continue
+        per = ranks * row["steps"]
+        row.update(server_rounds=total["rounds"], server_failed_rounds=total["failed_rounds"],
+                   server_in_bytes_per_step=total["bytes_in"] / per,
+                   server_out_bytes_per_step=total["bytes_out"] / per,
+                   pull_push_ratio=total["bytes_out"] / max(total["bytes_in"], 1))
 
 
 def add_gaps(rows: list[Row]) -> None:
@@ -304,6 +434,8 @@ def settings_text(row: Row) -> str:
                                    for k, v in opt.items()) + ")"
     if row["policy"]:
         text += ", Policy(" + ", ".join(f"{k}={v}" for k, v in row["policy"].items()) + ")"
+    if row.get("ps_mode"):
+        text += f", via a parameter server, `--mode {row['ps_mode']}`"
     return text
 
 
@@ -333,7 +465,28 @@ def markdown(rows: Sequence[Row]) -> str:
                        f"{r['ratio_after_warmup']:.1f}x | "
                        f"{'yes' if r['replicas_agree'] else 'NO'} |")
         out.append("")
+        out += server_table([r for r in mine if r.get("ps_mode")])
     return "\n".join(out).rstrip()
+
+
+def server_table(rows: Sequence[Row]) -> list[str]:
+    """The lines of a table of the rows through a server: its mode, the rounds it closed,
+    the frame bytes it received and sent per step and rank, and their ratio (none when
+    ``rows`` is empty)."""
+    rows = [r for r in rows if "server_rounds" in r]
+    if not rows:
+        return []
+    out = ["Through a parameter server (one `python -m ps_server` per row, 2 workers; frame "
+           "bytes as the server counted them, headers included, per step and rank):", "",
+           "| configuration | mode | rounds closed (failed) | received kB/step/rank | "
+           "sent kB/step/rank | sent / received |", "|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        out.append(f"| {r['name']} | {r['ps_mode']} | {r['server_rounds']} "
+                   f"({r['server_failed_rounds']}) | "
+                   f"{r['server_in_bytes_per_step'] / 1e3:.2f} | "
+                   f"{r['server_out_bytes_per_step'] / 1e3:.2f} | "
+                   f"{r['pull_push_ratio']:.2f}x |")
+    return [*out, ""]
 
 
 def _signed(value: float | None, unit: str) -> str:

@@ -193,8 +193,9 @@ def schedule(step: int, steps: int, warmup: int, final: float) -> float:
 
 def build_optimizer(model: nn.Module, config: dict[str, Any]) -> torch.optim.Optimizer:
     """The configuration's optimizer: ``adamw`` or ``sgd`` wrapped by
-    :func:`hvd_compress.torch.DistributedOptimizer` with ``Compression.parse(scheme)`` and
-    the configuration's :class:`~hvd_compress.Policy`, or :class:`OneBitAdam`."""
+    :func:`hvd_compress.torch.DistributedOptimizer` with ``Compression.parse(scheme)``, the
+    configuration's :class:`~hvd_compress.Policy` and its parameter server (``ps``, a
+    ``grpc://`` address, or none), or :class:`OneBitAdam`."""
     import hvd_compress.torch as hvdc
     from hvd_compress import Compression, Policy
 
@@ -209,7 +210,7 @@ def build_optimizer(model: nn.Module, config: dict[str, Any]) -> torch.optim.Opt
                                                                      **options)
     return hvdc.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
                                      compression=Compression.parse(config["scheme"]),
-                                     policy=policy)
+                                     policy=policy, ps=config.get("ps"))
 
 
 def _checksum(model: nn.Module) -> torch.Tensor:
@@ -267,6 +268,7 @@ def run_config(task: Task, settings: dict[str, Any], config: dict[str, Any], see
     after = config.get("warmup_steps", 0)
     tail = per_step[after:] or per_step
     return {"task": task.name, "name": config["name"], "scheme": config.get("scheme"),
+            "ps_mode": config.get("ps_mode"),
             "optimizer": config["optimizer"], "policy": config.get("policy", {}),
             "warmup_steps": after, "steps": steps, "seconds": seconds,
             "final_loss": curve[-1]["loss"], "final_accuracy": curve[-1]["accuracy"],
