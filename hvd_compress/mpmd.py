@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from types import ModuleType
 from typing import Any
 
@@ -98,7 +99,49 @@ def wants_servers(ps: str | None) -> bool:
 
 CONTROLLER_ENV = "HVD_COMPRESS_CONTROLLER"
 """Default of :func:`init`'s ``controller``."""
-CONTROLLERS = ("horovod", "gloo")
+CONTROLLERS = ("auto", "horovod", "gloo")
+MPI_ONLY_ENV = ("HOROVOD_HIERARCHICAL_ALLREDUCE", "HOROVOD_HIERARCHICAL_ALLGATHER")
+"""Horovod settings whose operations run on MPI: with one of them on, ``"auto"`` keeps
+Horovod's MPI controller."""
+
+chosen: tuple[str, str] | None = None
+"""What the last :func:`init` under ``mpirun`` chose: ``("gloo" or "mpi", why)``, as rank 0
+printed it; ``None`` before, or outside ``mpirun``."""
+
+
+def _mpi_rank() -> int:
+    for key in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"):
+        if os.environ.get(key, "").isdigit():
+            return int(os.environ[key])
+    return 0
+
+
+def _choose(controller: str, reason: str, rank: int | None = None) -> None:
+    """Record the controller chosen under ``mpirun`` and say it at rank 0, one line."""
+    global chosen
+    chosen = (controller, reason)
+    if (_mpi_rank() if rank is None else rank) == 0:
+        name = {"gloo": "Gloo", "mpi": "MPI"}[controller]
+        print(f"hvd_compress: Horovod runs its {name} controller ({reason}); see "
+              "docs/user-guide.md#launching-with-mpirun", file=sys.stderr, flush=True)
+
+
+def _refusal(horovod: ModuleType, transport: Transport | None,
+               kwargs: dict[str, Any]) -> str | None:
+    """Why this rank must keep Horovod's MPI controller under ``controller="auto"``, or
+    ``None`` when nothing here needs it."""
+    if transport is not None:
+        return f"ps={transport.schemes[0]!r}: its servers are MPI ranks"
+    if "comm" in kwargs:
+        return "comm= names an MPI communicator"
+    if os.environ.get("HOROVOD_CONTROLLER", "gloo") != "gloo":
+        return f"HOROVOD_CONTROLLER={os.environ['HOROVOD_CONTROLLER']} is set"
+    for key in MPI_ONLY_ENV:
+        if os.environ.get(key, "").strip() not in ("", "0"):
+            return f"{key} is set and runs on MPI"
+    if not horovod.gloo_built():
+        return "this Horovod was built without Gloo"
+    return None
 
 
 def init(horovod: ModuleType, binding: str, ps: str | None = None,
@@ -110,24 +153,37 @@ def init(horovod: ModuleType, binding: str, ps: str | None = None,
     off ``MPI.COMM_WORLD`` and start Horovod on the workers' communicator (``comm=``,
     which must then not be given).
 
-    ``controller="gloo"`` (default ``$HVD_COMPRESS_CONTROLLER``, else ``"horovod"``:
-    Horovod's own choice) in ranks that ``mpirun`` started gives Horovod its Gloo
-    controller, as ``horovodrun --gloo`` does (:mod:`hvd_compress.mpi_gloo`); elsewhere it
-    changes nothing.
+    ``controller`` (default ``$HVD_COMPRESS_CONTROLLER``, else ``"auto"``) matters only in
+    ranks that ``mpirun`` started (elsewhere the launcher chose, and nothing changes):
+
+    - ``"auto"``: Horovod's Gloo controller, as ``horovodrun --gloo`` gives it
+      (:mod:`hvd_compress.mpi_gloo`), unless something needs its MPI controller: an MPMD
+      launch, ``ps="mpi"``, ``comm=``, ``$HOROVOD_CONTROLLER`` set,
+      :data:`MPI_ONLY_ENV` set, a Horovod without Gloo, or ranks on several hosts with no
+      interface named (``$GLOO_SOCKET_IFNAME``). One collective decides, so every rank
+      takes the same controller; rank 0 prints which one and why, one line on stderr
+      (also in :data:`chosen`).
+    - ``"gloo"``: the Gloo controller, or ``ValueError`` saying why it cannot run.
+    - ``"horovod"``: Horovod's own choice (its MPI controller under ``mpirun``).
+
+    What each costs: docs/user-guide.md, "Launching with mpirun".
 
     ``horovod`` is ``horovod.torch`` or ``horovod.tensorflow``; ``binding`` names the
     caller's module in messages. ``ps="mpi"`` outside an MPMD ``mpirun`` raises
     ``ValueError`` at once with the launch it needs (Open MPI: one app context; no MPI
     launcher at all), instead of failing inside MPI.
     """
-    controller = controller or os.environ.get(CONTROLLER_ENV, "").strip().lower() or "horovod"
+    controller = (controller or os.environ.get(CONTROLLER_ENV, "").strip().lower()
+                  or "auto")
     if controller not in CONTROLLERS:
         raise ValueError(f"{binding}.init: controller must be one of {CONTROLLERS}, got "
                          f"{controller!r}")
-    gloo_under_mpirun = controller == "gloo" and _under_mpi_launcher() \
-        and os.environ.get("HOROVOD_CONTROLLER") != "gloo" and not horovod.is_initialized()
+    prepared = (os.environ.get("HOROVOD_CONTROLLER") == "gloo"
+                and "HOROVOD_GLOO_RENDEZVOUS_ADDR" in os.environ)  # horovodrun, or done
+    decide = (controller != "horovod" and _under_mpi_launcher() and not prepared
+              and not horovod.is_initialized())
     transport = launch_transport(ps)
-    if gloo_under_mpirun and (transport is not None or "comm" in kwargs):
+    if decide and controller == "gloo" and (transport is not None or "comm" in kwargs):
         raise ValueError(f"{binding}.init(controller='gloo') starts Horovod on every rank of "
                          "MPI.COMM_WORLD; it cannot be combined with ps='mpi' or comm= (use "
                          "gRPC servers, or controller='horovod')")
@@ -145,12 +201,28 @@ def init(horovod: ModuleType, binding: str, ps: str | None = None,
             raise ValueError(f"{binding}.init(ps={name!r}) needs parameter-server ranks in the "
                              f"same MPMD mpirun, but {where}; launch e.g. {MPMD_EXAMPLE}, "
                              "or use gRPC servers (ps='grpc://host:port')")
-        kwargs["comm"] = transport.start_workers()
     os.environ.setdefault("HOROVOD_CYCLE_TIME", DEFAULT_CYCLE_TIME_MS)
-    if gloo_under_mpirun:
+    if decide and controller == "gloo":
         from hvd_compress.mpi_gloo import start_gloo_controller
 
         start_gloo_controller()
+        _choose("gloo", "controller='gloo'")
+    elif decide and (launched_mpmd() or transport is not None or "comm" in kwargs):
+        # No collective on MPI.COMM_WORLD: some of its ranks may never join one.
+        _choose("mpi", _refusal(horovod, transport, kwargs)
+                or "an MPMD launch (its other app contexts may be MPI servers)")
+    elif decide:
+        from hvd_compress.mpi_gloo import start_gloo_controller
+
+        refused = start_gloo_controller(refusal=_refusal(horovod, transport, kwargs),
+                                        fallback=True)
+        _choose("mpi" if refused else "gloo", refused or "mpirun started the ranks and "
+                "nothing needs MPI's; controller='horovod' keeps MPI's")
+    elif (controller == "horovod" and _under_mpi_launcher() and not prepared
+          and not horovod.is_initialized()):
+        _choose("mpi", "controller='horovod'")
+    if transport is not None:
+        kwargs["comm"] = transport.start_workers()
     horovod.init(**kwargs)
 
 

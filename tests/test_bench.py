@@ -402,7 +402,7 @@ def test_cluster_bench_reports_a_failed_launch_with_its_cause_and_goes_on(
     rows = json.loads(out.read_text())
     assert [(r.get("task"), r["system"]) for r in rows] == [(None, "floor"),
                                                             ("failed", "hvd-compress")]
-    assert "controller must be one of ('horovod', 'gloo'), got 'bogus'" in rows[1]["cause"]
+    assert "controller must be one of ('auto', 'horovod', 'gloo'), got 'bogus'" in rows[1]["cause"]
     assert rows[0]["step_s"] > 0
     printed = capsys.readouterr()
     assert "FAILED LAUNCH  tiny 1gbit: hvd-compress none:" in printed.out

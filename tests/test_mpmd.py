@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -111,24 +112,45 @@ def test_init_keeps_the_users_open_mpi_settings() -> None:
 CONTROLLER_SPECS = ["none", "powersgd:rank=2,start_iter=1", "onebit", "topk:ratio=0.1"]
 
 
-def test_init_gives_mpirun_ranks_horovods_gloo_controller_on_request() -> None:
-    """``controller="gloo"`` (here ``$HVD_COMPRESS_CONTROLLER``) under ``mpirun``: Horovod
-    runs its Gloo controller with the MPI ranks, and training gives the same parameters,
-    bit for bit, as under the MPI controller (2 ranks: every sum is one addition)."""
-    gloo = {"HVD_COMPRESS_CONTROLLER": "gloo"}
-    ranks = run_ranks("tests.workers.mpi_settings:horovod_controller", launcher="mpi",
-                      env=gloo)
-    for mpi_rank, rank in enumerate(ranks):
-        assert rank == {"gloo": True, "mpi": False, "rank": mpi_rank, "mpi_rank": mpi_rank,
-                        "size": 2, "local": (mpi_rank, 2), "cross": (0, 1)}, rank
-    plain = run_ranks("tests.workers.mpi_settings:horovod_controller", launcher="mpi")
-    assert [(r["gloo"], r["mpi"]) for r in plain] == [(False, True)] * 2
-    on_gloo = run_ranks("tests.workers.dense:training", launcher="mpi", env=gloo,
-                        specs=CONTROLLER_SPECS)
-    on_mpi = run_ranks("tests.workers.dense:training", launcher="mpi", specs=CONTROLLER_SPECS)
+def test_init_gives_mpirun_ranks_horovods_gloo_controller_by_default() -> None:
+    """Under ``mpirun``, ``init()`` starts Horovod's Gloo controller with the MPI ranks
+    (two such jobs at once on one host: each rendezvous on a port of its own); a setting
+    that needs MPI, or ``controller="horovod"``, keeps the MPI controller; training on the
+    default gives the same parameters, bit for bit, as on the MPI controller (2 ranks:
+    every sum is one addition)."""
+    target = "tests.workers.mpi_settings:horovod_controller"
+    envs = [{}, {}, {"HVD_COMPRESS_CONTROLLER": "horovod"},
+            {"HOROVOD_HIERARCHICAL_ALLGATHER": "1"}]
+    with ThreadPoolExecutor(len(envs)) as pool:
+        jobs = list(pool.map(lambda env: run_ranks(target, launcher="mpi", env=env), envs))
+    for ranks in jobs[:2]:
+        for mpi_rank, rank in enumerate(ranks):
+            assert rank["chosen"][0] == "gloo", rank
+            del rank["chosen"]
+            assert rank == {"gloo": True, "mpi": False, "rank": mpi_rank,
+                            "mpi_rank": mpi_rank, "size": 2, "local": (mpi_rank, 2),
+                            "cross": (0, 1)}, rank
+    for ranks, why in zip(jobs[2:], ["controller='horovod'",
+                                     "HOROVOD_HIERARCHICAL_ALLGATHER is set"]):
+        for rank in ranks:
+            assert (rank["gloo"], rank["mpi"]) == (False, True), rank
+            assert rank["chosen"][0] == "mpi" and why in rank["chosen"][1], rank
+    training = "tests.workers.dense:training"
+    with ThreadPoolExecutor(2) as pool:
+        on_gloo, on_mpi = pool.map(
+            lambda env: run_ranks(training, launcher="mpi", env=env, specs=CONTROLLER_SPECS),
+            [{}, {"HVD_COMPRESS_CONTROLLER": "horovod"}])
     for spec in CONTROLLER_SPECS:
         assert torch.equal(on_gloo[0][spec]["params"], on_gloo[1][spec]["params"]), spec
         assert torch.equal(on_gloo[0][spec]["params"], on_mpi[0][spec]["params"]), spec
+
+
+def test_init_with_mpi_server_ranks_keeps_the_mpi_controller() -> None:
+    ranks = run_ranks("tests.workers.mpi_settings:horovod_controller", launcher="mpi",
+                      mpi_servers=1)
+    for rank in ranks:
+        assert (rank["gloo"], rank["mpi"]) == (False, True), rank
+        assert rank["chosen"] == ("mpi", "ps='mpi': its servers are MPI ranks"), rank
 
 
 def test_init_refuses_an_unknown_controller_before_changing_anything(
@@ -139,7 +161,8 @@ def test_init_refuses_an_unknown_controller_before_changing_anything(
 
     monkeypatch.delenv("OMPI_MCA_mpi_yield_when_idle", raising=False)
     started = hvd.is_initialized()  # (another test of this process may have started it)
-    with pytest.raises(ValueError, match=r"controller must be one of \('horovod', 'gloo'\)"):
+    with pytest.raises(ValueError,
+                       match=r"controller must be one of \('auto', 'horovod', 'gloo'\)"):
         init(controller="nccl")
     assert hvd.is_initialized() == started
     assert "OMPI_MCA_mpi_yield_when_idle" not in os.environ

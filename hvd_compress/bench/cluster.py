@@ -362,8 +362,9 @@ def _launch(system: System, plan: Plan, model: str, addresses: list[str], direct
         # The hosts' interface, for collectives="gloo" (its group finds no other address
         # under mpirun); Horovod's MPI controller does not read it.
         env = {**horovod_env, "GLOO_SOCKET_IFNAME": "eth0"}
-        if system.controller == "mpi-gloo":  # Horovod's Gloo controller, set up by init()
-            env["HVD_COMPRESS_CONTROLLER"] = "gloo"
+        if system.runs == OURS:  # init()'s default would give mpirun's ranks Gloo's
+            env.setdefault("HVD_COMPRESS_CONTROLLER",
+                           "gloo" if system.controller == "mpi-gloo" else "horovod")
         if system.controller == HIERARCHICAL:
             env.update(HIERARCHICAL_ENV)
         exported = [arg for key, value in env.items() for arg in ("-x", f"{key}={value}")]

@@ -65,9 +65,10 @@ def init(ps: str | None = None, controller: str | None = None, **kwargs: Any) ->
 
         mpirun -np 2 python train.py : -np 1 python -m ps_server --transport mpi --workers 2
 
-    ``controller="gloo"`` (default ``$HVD_COMPRESS_CONTROLLER``) in ranks that ``mpirun``
-    started runs Horovod on its Gloo controller, as ``horovodrun --gloo`` does, instead of
-    its MPI controller (:mod:`hvd_compress.mpi_gloo`).
+    ``controller`` (``"auto"``, ``"gloo"`` or ``"horovod"``; default
+    ``$HVD_COMPRESS_CONTROLLER``, else ``"auto"``: Horovod's Gloo controller in ranks that
+    ``mpirun`` started, unless something needs its MPI controller) as in
+    :func:`hvd_compress.mpmd.init`.
 
     See :func:`hvd_compress.mpmd.init` (shared with ``hvd_compress.torch.init``). In a
     process that also runs Horovod's PyTorch library, both may call their ``init`` (the MPI

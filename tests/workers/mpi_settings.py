@@ -45,11 +45,15 @@ def open_mpi_settings() -> dict[str, Any]:
 
 
 def horovod_controller() -> dict[str, Any]:
-    """Which controller Horovod runs, its ranks and sizes, and the MPI rank beside them."""
+    """Which controller Horovod runs (and what ``init`` said about it), its ranks and sizes,
+    and the MPI rank beside them."""
     import horovod.torch as hvd
     from mpi4py import MPI
 
-    return {"gloo": hvd.gloo_enabled(), "mpi": hvd.mpi_enabled(), "rank": hvd.rank(),
+    from hvd_compress import mpmd
+
+    return {"chosen": mpmd.chosen, "gloo": hvd.gloo_enabled(), "mpi": hvd.mpi_enabled(),
+            "rank": hvd.rank(),
             "mpi_rank": MPI.COMM_WORLD.Get_rank(), "size": hvd.size(),
             "local": (hvd.local_rank(), hvd.local_size()),
             "cross": (hvd.cross_rank(), hvd.cross_size())}
