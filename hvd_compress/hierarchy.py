@@ -30,14 +30,16 @@ integer-valued gradients, so ``Compression.none`` gives the flat route's aggrega
 bit then. Which ranks share a host: Horovod's (``hvd.cross_rank()``, ``hvd.local_rank()``),
 split by network namespace (emulated hosts on one machine), or
 ``$HVD_COMPRESS_RANKS_PER_HOST`` consecutive ranks (to emulate hosts without namespaces).
-See docs/user-guide.md#two-level-compression.
+Both bindings run this module's pipeline (:func:`horovod_pipeline`), each over its own
+Horovod communicator: the PyTorch optimizer, and the TensorFlow tape and Keras optimizer
+(their gradients reach it through DLPack). See docs/user-guide.md#two-level-compression.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
@@ -145,14 +147,22 @@ def solo() -> Communicator:
     return ThreadGroup(1).communicator(0)
 
 
-def horovod_host_communicators(hvd: Any) -> tuple[HostLayout, Communicator, Communicator]:
+def horovod_host_communicators(
+        hvd: Any, communicator: Callable[[Any], Communicator] | None = None
+) -> tuple[HostLayout, Communicator, Communicator]:
     """The layout and the (inside the host, across hosts) communicators of Horovod's global
     ranks, over process sets: those registered at ``hvd.init(process_sets=...)`` with these
     ranks, else added now (``hvd.add_process_set``, which needs
-    ``HOROVOD_DYNAMIC_PROCESS_SETS=1``). Collective: every rank calls it at the same point."""
+    ``HOROVOD_DYNAMIC_PROCESS_SETS=1``). ``hvd``: ``horovod.torch`` or
+    ``horovod.tensorflow``; ``communicator``: the binding's communicator over one process
+    set (default :class:`~hvd_compress.comm.horovod_torch.HorovodTorchCommunicator`; the
+    TensorFlow binding passes its ``HorovodTFCommunicator``). Collective: every rank calls
+    it at the same point (eagerly, outside any traced graph)."""
     from horovod.common import process_sets as sets
 
-    from hvd_compress.comm.horovod_torch import HorovodTorchCommunicator
+    if communicator is None:
+        from hvd_compress.comm.horovod_torch import HorovodTorchCommunicator
+        communicator = HorovodTorchCommunicator
 
     # Horovod's host, split by network namespace: ranks of one machine in different
     # namespaces (an emulated cluster, where MPI sees one node) are different hosts.
@@ -178,10 +188,10 @@ def horovod_host_communicators(hvd: Any) -> tuple[HostLayout, Communicator, Comm
                 f"HOROVOD_DYNAMIC_PROCESS_SETS=1, or register them at hvd.init(process_sets="
                 f"[hvd.ProcessSet(ranks), ...]) ({exc})") from exc
 
-    def communicator(ranks: tuple[int, ...]) -> Communicator:
-        return solo() if len(ranks) == 1 else HorovodTorchCommunicator(mine[ranks])
+    def of(ranks: tuple[int, ...]) -> Communicator:
+        return solo() if len(ranks) == 1 else communicator(mine[ranks])
 
-    return layout, communicator(layout.local_ranks), communicator(layout.cross_ranks)
+    return layout, of(layout.local_ranks), of(layout.cross_ranks)
 
 
 def check_hierarchy(hierarchy: str | None, scheme: Any, *, collectives: str = "horovod",
@@ -211,26 +221,18 @@ def check_hierarchy(hierarchy: str | None, scheme: Any, *, collectives: str = "h
         raise ValueError(f"{where} is not supported under horovodrun's elastic mode")
 
 
-def refuse_in_tensorflow(hierarchy: str | None) -> None:
-    """``ValueError`` for a ``hierarchy=`` other than ``None`` given to the TensorFlow
-    binding, which has no two-level exchange yet."""
-    if hierarchy is not None:
-        raise ValueError(f"hierarchy={hierarchy!r}: two-level compression is available in "
-                         "the PyTorch optimizer only (hvd_compress.torch.DistributedOptimizer"
-                         "(..., hierarchy='host')); the TensorFlow binding exchanges flat: "
-                         "pass hierarchy=None (docs/user-guide.md#two-level-compression)")
-
-
 def horovod_pipeline(hvd: Any, scheme: Scheme, policy: Policy | None, ps: str | None,
                      session: str | None, connect_timeout: float | None,
+                     communicator: Callable[[Any], Communicator] | None = None,
                      **options: Any) -> HierarchicalPipeline:
-    """The two-level pipeline of Horovod's global ranks (:func:`horovod_host_communicators`);
-    with ``ps``, the sparse pairs of local rank ``l``'s pieces go to the servers as worker
-    ``host`` of a job of ``H`` workers, in session ``<session>.l<l>`` (one push per host
-    and piece). ``options``: :class:`HierarchicalPipeline`'s."""
+    """The two-level pipeline of Horovod's global ranks (:func:`horovod_host_communicators`,
+    with the binding's ``hvd`` and ``communicator``); with ``ps``, the sparse pairs of local
+    rank ``l``'s pieces go to the servers as worker ``host`` of a job of ``H`` workers, in
+    session ``<session>.l<l>`` (one push per host and piece). ``options``:
+    :class:`HierarchicalPipeline`'s."""
     from hvd_compress.comm.parameter_server import ParameterServerCommunicator, connect
 
-    layout, local, cross = horovod_host_communicators(hvd)
+    layout, local, cross = horovod_host_communicators(hvd, communicator)
     if ps:
         cross = ParameterServerCommunicator(
             cross, connect(ps, cross.rank, workers=cross.size, connect_timeout=connect_timeout),

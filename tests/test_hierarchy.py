@@ -181,16 +181,3 @@ def test_options_the_optimizer_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HVD_COMPRESS_RANKS_PER_HOST", "0")
     with pytest.raises(ValueError, match="RANKS_PER_HOST"):
         host_key(0, "horovod's")
-
-
-@pytest.mark.tensorflow
-def test_the_tensorflow_binding_refuses_a_hierarchy() -> None:
-    tf = pytest.importorskip("tensorflow")
-    keras = pytest.importorskip("keras")
-    from hvd_compress.tensorflow import DistributedGradientTape
-    from hvd_compress.tensorflow.keras import DistributedOptimizer
-
-    with pytest.raises(ValueError, match="PyTorch optimizer only"):
-        DistributedGradientTape(tf.GradientTape(), hierarchy="host")
-    with pytest.raises(ValueError, match="PyTorch optimizer only"):
-        DistributedOptimizer(keras.optimizers.SGD(), hierarchy="host")

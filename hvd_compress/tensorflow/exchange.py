@@ -24,13 +24,14 @@ from tensorflow.python.ops import control_flow_util
 
 from hvd_compress.binding import check_horovod_arguments, resolve_compression, resolve_ps
 from hvd_compress.comm.ps_client import check_timeout
+from hvd_compress.hierarchy import HierarchicalPipeline, check_hierarchy, horovod_pipeline
 from hvd_compress.pipeline import DEFAULT_REPORT_EVERY, Pipeline, StepStats
 from hvd_compress.policy import Policy
 from hvd_compress.schemes.base import Scheme
 from hvd_compress.schemes.dense import NoCompression
 from hvd_compress.stats import StatsLogger
 from hvd_compress.tensorflow.comm import HorovodTFCommunicator, to_tf, to_torch
-from hvd_compress.tensorflow.servers import with_servers
+from hvd_compress.tensorflow.servers import broadcast_session, with_servers
 
 STATE_KEY = "hvd_compress"
 
@@ -95,7 +96,13 @@ class GradientExchange:
     process set (a collective: every rank creates its exchange); ``connect_timeout``
     bounds the wait for a gRPC server never reached (seconds > 0, checked here; ``None``
     for ``$HVD_COMPRESS_PS_CONNECT_TIMEOUT``, else 10 s). ``ps`` and ``connect_timeout``
-    are checked before that broadcast.
+    are checked before that broadcast. ``hierarchy="host"``: two-level compression
+    (:class:`~hvd_compress.hierarchy.HierarchicalPipeline` over Horovod's TensorFlow ops on
+    a process set per host and per local rank, docs/user-guide.md#two-level-compression);
+    creating it is a collective of every rank (run eagerly, also while a ``tf.function``
+    is traced), and what cannot run raises ``ValueError`` first
+    (:func:`~hvd_compress.hierarchy.check_hierarchy`: ``Compression.auto``, a process set
+    other than the global one, ``ps="mpi"``, horovodrun's elastic mode).
     """
 
     def __init__(self, compression: Scheme, op: Any = hvd.Average,
@@ -103,20 +110,31 @@ class GradientExchange:
                  policy: Policy | None = None, seed: int = 0,
                  sparse_as_dense: bool = False, ps: str | None = None,
                  connect_timeout: float | None = None,
-                 report_every: int = DEFAULT_REPORT_EVERY) -> None:
+                 report_every: int = DEFAULT_REPORT_EVERY, hierarchy: str | None = None) -> None:
         self.process_set = process_set if process_set is not None else hvd.global_process_set
         self.options = self.normalize(
             {"op": op, "gradient_predivide_factor": gradient_predivide_factor,
              "process_set": self.process_set, "policy": policy, "seed": seed,
              "sparse_as_dense": sparse_as_dense, "ps": ps, "connect_timeout": connect_timeout,
-             "report_every": report_every})
+             "report_every": report_every, "hierarchy": hierarchy})
         self.ps = self.options["ps"]
         self.sparse_as_dense = sparse_as_dense
-        comm = with_servers(HorovodTFCommunicator(self.process_set), self.ps, self.process_set,
-                            self.options["connect_timeout"])
-        self.pipeline = Pipeline(compression, comm, policy, average=(op == hvd.Average),
-                                 prescale=gradient_predivide_factor, seed=seed,
-                                 report_every=report_every)
+        check_hierarchy(hierarchy, compression, ps=self.ps, process_set=self.process_set,
+                        global_set=hvd.global_process_set)
+        options = dict(average=(op == hvd.Average), prescale=gradient_predivide_factor,
+                       seed=seed, report_every=report_every)
+        self.pipeline: Pipeline | HierarchicalPipeline
+        if hierarchy is None:
+            comm = with_servers(HorovodTFCommunicator(self.process_set), self.ps,
+                                self.process_set, self.options["connect_timeout"])
+            self.pipeline = Pipeline(compression, comm, policy, **options)
+        else:
+            with tf.init_scope():  # collectives now, even while a step is being traced
+                session = broadcast_session(self.process_set) if self.ps else None
+                self.pipeline = horovod_pipeline(
+                    hvd, compression, policy, self.ps, session,
+                    self.options["connect_timeout"], communicator=HorovodTFCommunicator,
+                    **options)
         self.steps = 0  # completed exchanges
         self.stats_logger: StatsLogger | None = None  # called after each (see keras.py)
 
@@ -129,7 +147,8 @@ class GradientExchange:
                 "ps": resolve_ps(options.get("ps")),
                 "connect_timeout": check_timeout(options.get("connect_timeout"),
                                                  "connect_timeout"),
-                "report_every": options.get("report_every", DEFAULT_REPORT_EVERY)}
+                "report_every": options.get("report_every", DEFAULT_REPORT_EVERY),
+                "hierarchy": options.get("hierarchy")}
 
     def reduce(self, names: Sequence[str], grads: Sequence[Any]) -> list[Any]:
         """Aggregate ``grads`` (``None`` entries pass through); eager or traced."""

@@ -16,7 +16,6 @@ import keras
 import numpy as np
 
 from hvd_compress.binding import check_wrappable
-from hvd_compress.hierarchy import refuse_in_tensorflow
 from hvd_compress.pipeline import DEFAULT_REPORT_EVERY
 from hvd_compress.policy import Policy
 from hvd_compress.stats import CompressionStats, StatsLogger
@@ -168,8 +167,11 @@ def DistributedOptimizer(
             ``$HVD_COMPRESS_PS_CONNECT_TIMEOUT``, else 10 s); a value that is not > 0
             raises ``ValueError`` here. Failures after a server has answered are retried
             for ``$HVD_COMPRESS_PS_RETRY_TIMEOUT`` (60 s).
-        hierarchy: ``None`` only: ``hierarchy="host"`` (two-level compression) is the
-            PyTorch optimizer's; here it raises ``ValueError`` saying so.
+        hierarchy: ``None`` (default, flat) or ``"host"``: two-level compression, as for
+            :func:`hvd_compress.tensorflow.DistributedGradientTape` (dense inside a host,
+            compressed across hosts; docs/user-guide.md#two-level-compression). Needs
+            ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` and the global process set; this call is
+            then a collective of every rank.
         report_every: how often :attr:`compression_feedback` measures the compression
             error of a tensor without error feedback: every ``report_every``-th step
             (default 10; 1: every step; 0: never), as on the PyTorch optimizer.
@@ -181,7 +183,6 @@ def DistributedOptimizer(
     compound), 1-bit and random-k warn for momentum of 0.9 or more.
     """
     del device_dense, device_sparse  # the exchange runs on the gradients' own device
-    refuse_in_tensorflow(hierarchy)  # the PyTorch optimizer's option only, for now
     check_wrappable(optimizer)  # not OneBitAdam, which exchanges by itself
     compression = check_arguments(
         compression, op, gradient_predivide_factor, groups, num_groups,
@@ -194,7 +195,7 @@ def DistributedOptimizer(
                                 process_set=process_set, policy=policy, seed=seed,
                                 sparse_as_dense=sparse_as_dense, ps=ps,
                                 connect_timeout=connect_timeout,
-                                report_every=report_every)
+                                report_every=report_every, hierarchy=hierarchy)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__))
     config = optimizer.get_config()

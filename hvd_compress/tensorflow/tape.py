@@ -7,7 +7,6 @@ from typing import Any
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
-from hvd_compress.hierarchy import refuse_in_tensorflow
 from hvd_compress.pipeline import DEFAULT_REPORT_EVERY
 from hvd_compress.policy import Policy
 from hvd_compress.tensorflow.exchange import (
@@ -129,8 +128,17 @@ def DistributedGradientTape(
             ``$HVD_COMPRESS_PS_CONNECT_TIMEOUT``, else 10 s); a value that is not > 0
             raises ``ValueError`` here. Failures after a server has answered are retried
             for ``$HVD_COMPRESS_PS_RETRY_TIMEOUT`` (60 s).
-        hierarchy: ``None`` only: ``hierarchy="host"`` (two-level compression) is the
-            PyTorch optimizer's; here it raises ``ValueError`` saying so.
+        hierarchy: ``None`` (default): every rank compresses and exchanges with every
+            other. ``"host"``: two-level compression, as on the PyTorch optimizer: the
+            ranks of a host sum their gradients dense (a reduce-scatter), each local rank
+            compresses its piece across hosts (row blocks for schemes marked
+            ``sliceable``, whole tensors for PowerSGD), and the host all-gathers the
+            result (:mod:`hvd_compress.hierarchy`,
+            docs/user-guide.md#two-level-compression). The ``compression`` object's state
+            is then this rank's pieces'. Needs ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` (or the
+            process sets registered at ``hvd.init``) and the global process set; making
+            the tape the first time is a collective of every rank. ``Compression.auto``,
+            ``ps="mpi"`` and horovodrun's elastic mode raise ``ValueError``.
         report_every: how often ``tape.compression_feedback`` measures the compression
             error of a tensor without error feedback (fp16, TernGrad, QSGD, the vote):
             every ``report_every``-th step (default 10; 1: every step; 0: never), as on the
@@ -140,13 +148,12 @@ def DistributedGradientTape(
     ``groups``/``num_groups`` and ``op=hvd.Adasum`` raise ``ValueError``.
     """
     del device_dense, device_sparse  # the exchange runs on the gradients' own device
-    refuse_in_tensorflow(hierarchy)  # the PyTorch optimizer's option only, for now
     compression = check_arguments(compression, op, gradient_predivide_factor, groups,
                                   num_groups)
     exchange = compression_state(compression).exchange_for(
         op=op, gradient_predivide_factor=gradient_predivide_factor, process_set=process_set,
         policy=policy, seed=seed, sparse_as_dense=sparse_as_dense, ps=ps,
-        connect_timeout=connect_timeout, report_every=report_every)
+        connect_timeout=connect_timeout, report_every=report_every, hierarchy=hierarchy)
     cls = type(gradtape.__class__.__name__, (gradtape.__class__,),
                dict(_DistributedGradientTape.__dict__))
     return cls(gradtape._tape, exchange, gradtape._persistent,
