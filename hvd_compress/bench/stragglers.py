@@ -135,6 +135,12 @@ optimizers), for a fixed number of rounds each (shorter than converge's runs).""
 _SEEDING = threading.Lock()
 
 
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    """``--task``'s settings, with ``--rounds`` for its rounds when given."""
+    rounds = getattr(args, "rounds", None)
+    return {**TRAIN[args.task], **({"steps": rounds} if rounds else {})}
+
+
 def _train_worker(address: str, rank: int, args: argparse.Namespace, mode: str,
                   out: dict[int, dict[str, Any]]) -> None:
     """One worker of ``--task``: its shard's batches, top-k 1 % of every tensor through
@@ -142,7 +148,7 @@ def _train_worker(address: str, rank: int, args: argparse.Namespace, mode: str,
     from hvd_compress.bench.converge_rank import TASKS
     from hvd_compress.policy import Policy
 
-    settings = TRAIN[args.task]
+    settings = _settings(args)
     with _SEEDING:  # the model seeds torch's global generator: one thread at a time
         task = TASKS[args.task](settings, rank, args.workers)
         model = task.model(args.seed)  # the same initial weights on every worker
@@ -208,7 +214,7 @@ def train(args: argparse.Namespace, mode: str) -> dict[str, Any]:
             totals[2] += target.numel()
     same = all(torch.equal(out[r]["weights"], out[0]["weights"]) for r in out)
     return {"loss": float(totals[0] / totals[2]), "accuracy": float(totals[1] / totals[2]),
-            "identical": same, "job": wall / TRAIN[args.task]["steps"],
+            "identical": same, "job": wall / _settings(args)["steps"],
             "computed": out[args.workers - 1]["computed"],
             "partial": store.partial_rounds / max(store.closed_rounds, 1)}
 
@@ -223,7 +229,7 @@ def design_name(args: argparse.Namespace, mode: str) -> str:
 
 def train_main(args: argparse.Namespace, modes: list[str]) -> int:
     """Every ``--seeds`` seed: full-round modes once, quorum modes once per design."""
-    steps = TRAIN[args.task]["steps"]
+    steps = _settings(args)["steps"]
     designs = [d.strip() for d in args.designs.split(",") if d.strip()]
     print(f"--task {args.task}: {args.workers} workers, {steps} rounds, top-k 1 % of every "
           f"tensor; worker {args.workers - 1} sleeps {args.delay * args.compute:g} s on every "
@@ -288,6 +294,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "Communicator's partial), with +open the late worker computes a "
                         "gradient for the open round (skip_behind's compute_open)")
     parser.add_argument("--json", help="--task: write every run's figures to this file")
+    parser.add_argument("--rounds", type=int,
+                        help="--task's rounds (default: digits 300, lm 150)")
     args = parser.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = sorted(set(modes) - set(MODES))
