@@ -356,23 +356,110 @@ void encode(const C& codec, const float* x, int64_t n, int64_t bucket, int bits,
   });
 }
 
-template <class C>
-void decode(const C& codec, const uint8_t* payload, int64_t n, int64_t bucket, int bits,
-            float* out, int threads) {
-  const Layout layout{bits, n};
+// One tile of a payload: its codes unpacked into codes, then fn(b0, codes of the bucket,
+// its length, its decode scale) for each bucket from element b0. The value code c of a
+// bucket decodes to is decoded(a, b, c, scale).
+template <class C, class F>
+void decode_tile(const C& codec, const Layout& layout, const uint8_t* payload, int64_t bucket,
+                 uint8_t* codes, int64_t e0, int64_t count, int64_t padded, F fn) {
   const uint8_t* scales = payload + layout.nbytes();
+  layout.unpack(payload, e0, padded, codes);
+  for (int64_t b0 = e0; b0 < e0 + count; b0 += bucket) {
+    float stored;
+    std::memcpy(&stored, scales + 4 * (b0 / bucket), 4);
+    fn(b0, codes + (b0 - e0), std::min(bucket, layout.n - b0), codec.decode_scale(stored));
+  }
+}
+
+inline float decoded(int a, int b, uint8_t c, float scale) {
+  return static_cast<float>(a * c + b) * scale;
+}
+
+// For every element i of a payload: store(out, i, decoded value).
+template <class C, class Store>
+void map_decoded(const C& codec, const uint8_t* payload, int64_t n, int64_t bucket, int bits,
+                 float* out, int threads, Store store) {
+  const Layout layout{bits, n};
   const int a = decode_a(codec), b = decode_b(codec);
   for_each_tile(layout, bucket, threads, [&](uint8_t* codes, int64_t e0, int64_t count,
                                              int64_t padded) {
-    layout.unpack(payload, e0, padded, codes);
+    decode_tile(codec, layout, payload, bucket, codes, e0, count, padded,
+                [&](int64_t b0, const uint8_t* __restrict c, int64_t len, float scale) {
+                  float* __restrict o = out + b0;
+                  for (int64_t i = 0; i < len; ++i) store(o, i, decoded(a, b, c[i], scale));
+                });
+  });
+}
+
+template <class C>
+void decode(const C& codec, const uint8_t* payload, int64_t n, int64_t bucket, int bits,
+            float* out, int threads) {
+  map_decoded(codec, payload, n, bucket, bits, out, threads,
+              [](float* __restrict o, int64_t i, float d) { o[i] = d; });
+}
+
+// The fused error-feedback passes. Each value a decode writes is float(a * c + b) *
+// decode_scale(scale), and these kernels use exactly that value, so they equal the unfused
+// sequence (decode into a tensor, then torch's float32 add or subtract) bit for bit: one
+// IEEE operation per element in a fixed order, with no fused multiply-add (-ffp-contract=
+// off), whichever vector width the compiler chose.
+
+// encode, and x <- x - decode(encode(x)) in the same pass over each tile (x is both the
+// input and the residual output; the decoded tensor is never written).
+template <class C>
+void encode_residual(const C& codec, float* x, int64_t n, int64_t bucket, int bits,
+                     uint8_t* out, int threads) {
+  const Layout layout{bits, n};
+  uint8_t* scales = out + layout.nbytes();
+  const int a = decode_a(codec), b = decode_b(codec);
+  for_each_tile(layout, bucket, threads, [&](uint8_t* codes, int64_t e0, int64_t count,
+                                             int64_t padded) {
     for (int64_t b0 = e0; b0 < e0 + count; b0 += bucket) {
-      float stored;
-      std::memcpy(&stored, scales + 4 * (b0 / bucket), 4);
-      const float scale = codec.decode_scale(stored);
-      const uint8_t* __restrict c = codes + (b0 - e0);
-      float* __restrict o = out + b0;
       const int64_t len = std::min(bucket, n - b0);
-      for (int64_t i = 0; i < len; ++i) o[i] = static_cast<float>(a * c[i] + b) * scale;
+      uint8_t* __restrict c = codes + (b0 - e0);
+      const float stored = codec.encode_bucket(x + b0, len, b0 / bucket, c);
+      std::memcpy(scales + 4 * (b0 / bucket), &stored, 4);
+      const float scale = codec.decode_scale(stored);
+      float* __restrict v = x + b0;
+      for (int64_t i = 0; i < len; ++i) v[i] = v[i] - decoded(a, b, c[i], scale);
+    }
+    std::memset(codes + count, 0, padded - count);
+    layout.pack(codes, e0, padded, out);
+  });
+}
+
+// x <- x - decode(payload), in place: error feedback's residual from the payload sent.
+template <class C>
+void subtract(const C& codec, const uint8_t* payload, int64_t n, int64_t bucket, int bits,
+              float* x, int threads) {
+  map_decoded(codec, payload, n, bucket, bits, x, threads,
+              [](float* __restrict v, int64_t i, float d) { v[i] = v[i] - d; });
+}
+
+// out = ((decode(p_0) + decode(p_1)) + ... + decode(p_{count-1})) [+ residual]: the sum of
+// the payloads in the order given (then the residual, if not null), one pass per tile.
+template <class C>
+void reduce(const C& codec, const uint8_t* const* payloads, int64_t count, int64_t n,
+            int64_t bucket, int bits, float* out, const float* residual, int threads) {
+  const Layout layout{bits, n};
+  const int a = decode_a(codec), b = decode_b(codec);
+  for_each_tile(layout, bucket, threads, [&](uint8_t* codes, int64_t e0, int64_t tile,
+                                             int64_t padded) {
+    decode_tile(codec, layout, payloads[0], bucket, codes, e0, tile, padded,
+                [&](int64_t b0, const uint8_t* __restrict c, int64_t len, float scale) {
+                  float* __restrict o = out + b0;
+                  for (int64_t i = 0; i < len; ++i) o[i] = decoded(a, b, c[i], scale);
+                });
+    for (int64_t w = 1; w < count; ++w)
+      decode_tile(codec, layout, payloads[w], bucket, codes, e0, tile, padded,
+                  [&](int64_t b0, const uint8_t* __restrict c, int64_t len, float scale) {
+                    float* __restrict o = out + b0;
+                    for (int64_t i = 0; i < len; ++i) o[i] = o[i] + decoded(a, b, c[i], scale);
+                  });
+    if (residual != nullptr) {
+      float* __restrict o = out + e0;
+      const float* __restrict r = residual + e0;
+      for (int64_t i = 0; i < tile; ++i) o[i] = o[i] + r[i];
     }
   });
 }
@@ -411,6 +498,59 @@ void hvdc_terngrad_encode(const float* x, int64_t n, int64_t bucket, uint8_t* ou
 void hvdc_terngrad_decode(const uint8_t* payload, int64_t n, int64_t bucket, float* out,
                           int threads) {
   decode(TernGrad{0.0, Key{0}}, payload, n, bucket, 0, out, threads);
+}
+
+// The fused error-feedback kernels (see encode_residual, subtract and reduce above). The
+// encode_residual kernels take encode's arguments, x both read and overwritten with the
+// residual; subtract takes decode's, x in place of its output; reduce takes an array of
+// ``count`` payload pointers as its input, then (count, residual or null) before decode's
+// options.
+
+void hvdc_onebit_encode_residual(float* x, int64_t n, int64_t bucket, uint8_t* out,
+                                 int threads) {
+  encode_residual(OneBit{}, x, n, bucket, 1, out, threads);
+}
+
+void hvdc_onebit_subtract(const uint8_t* payload, int64_t n, int64_t bucket, float* x,
+                          int threads) {
+  subtract(OneBit{}, payload, n, bucket, 1, x, threads);
+}
+
+void hvdc_onebit_reduce(const uint8_t* const* payloads, int64_t n, int64_t bucket, float* out,
+                        int threads, int64_t count, const float* residual) {
+  reduce(OneBit{}, payloads, count, n, bucket, 1, out, residual, threads);
+}
+
+void hvdc_qsgd_encode_residual(float* x, int64_t n, int64_t bucket, uint8_t* out, int threads,
+                               int bits, int l2, uint64_t seed) {
+  encode_residual(Qsgd{(1 << (bits - 1)) - 1, l2 != 0, Key{seed}}, x, n, bucket, bits, out,
+                  threads);
+}
+
+void hvdc_qsgd_subtract(const uint8_t* payload, int64_t n, int64_t bucket, float* x,
+                        int threads, int bits) {
+  subtract(Qsgd{(1 << (bits - 1)) - 1, false, Key{0}}, payload, n, bucket, bits, x, threads);
+}
+
+void hvdc_qsgd_reduce(const uint8_t* const* payloads, int64_t n, int64_t bucket, float* out,
+                      int threads, int64_t count, const float* residual, int bits) {
+  reduce(Qsgd{(1 << (bits - 1)) - 1, false, Key{0}}, payloads, count, n, bucket, bits, out,
+         residual, threads);
+}
+
+void hvdc_terngrad_encode_residual(float* x, int64_t n, int64_t bucket, uint8_t* out,
+                                   int threads, double clip, uint64_t seed) {
+  encode_residual(TernGrad{clip, Key{seed}}, x, n, bucket, 0, out, threads);
+}
+
+void hvdc_terngrad_subtract(const uint8_t* payload, int64_t n, int64_t bucket, float* x,
+                            int threads) {
+  subtract(TernGrad{0.0, Key{0}}, payload, n, bucket, 0, x, threads);
+}
+
+void hvdc_terngrad_reduce(const uint8_t* const* payloads, int64_t n, int64_t bucket,
+                          float* out, int threads, int64_t count, const float* residual) {
+  reduce(TernGrad{0.0, Key{0}}, payloads, count, n, bucket, 0, out, residual, threads);
 }
 
 }  // extern "C"

@@ -10,6 +10,8 @@ on threads encode in parallel. Payloads and decoded values are written into
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from hvd_compress.native.buffers import empty
@@ -27,23 +29,64 @@ def seed(generator: torch.Generator) -> int:
 
 
 def encode(kernel: str, x: torch.Tensor, bucket_size: int, nbytes: int,
-           *options: int | float) -> torch.Tensor:
-    """Run ``hvdc_<kernel>_encode`` on the float32 CPU tensor ``x``: ``nbytes`` of payload
-    (in :func:`~hvd_compress.native.buffers.empty` memory)."""
+           *options: int | float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Run ``hvdc_<kernel>_encode`` on the float32 CPU tensor ``x``: ``nbytes`` of payload,
+    written into ``out`` (a contiguous uint8 tensor of ``nbytes``) if given, else into
+    :func:`~hvd_compress.native.buffers.empty` memory."""
     x = x.reshape(-1).to(torch.float32).contiguous()
-    out = empty(nbytes, torch.uint8)
+    out = empty(nbytes, torch.uint8) if out is None else out
     fn = getattr(library(), f"hvdc_{kernel}_encode")
     fn(x.data_ptr(), x.numel(), bucket_size, out.data_ptr(), torch.get_num_threads(), *options)
     return out
 
 
 def decode(kernel: str, payload: torch.Tensor, numel: int, bucket_size: int,
-           *options: int) -> torch.Tensor:
-    """Run ``hvdc_<kernel>_decode`` on a checked CPU payload: ``numel`` float32 values
-    (in :func:`~hvd_compress.native.buffers.empty` memory)."""
+           *options: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Run ``hvdc_<kernel>_decode`` on a checked CPU payload: ``numel`` float32 values,
+    written into ``out`` (a contiguous float32 tensor of ``numel``) if given, else into
+    :func:`~hvd_compress.native.buffers.empty` memory."""
     payload = payload.contiguous()
-    out = empty(numel, torch.float32)
+    out = empty(numel, torch.float32) if out is None else out
     fn = getattr(library(), f"hvdc_{kernel}_decode")
     fn(payload.data_ptr(), numel, bucket_size, out.data_ptr(), torch.get_num_threads(),
        *options)
+    return out
+
+
+def encode_residual(kernel: str, x: torch.Tensor, bucket_size: int, out: torch.Tensor,
+                    *options: int | float) -> torch.Tensor:
+    """Run ``hvdc_<kernel>_encode_residual``: encode the contiguous float32 CPU tensor ``x``
+    into ``out`` (contiguous uint8, the payload's size) and, in the same pass, overwrite
+    ``x`` with ``x - decode(payload)``, bit for bit what decoding and subtracting give.
+    Returns ``x``."""
+    fn = getattr(library(), f"hvdc_{kernel}_encode_residual")
+    fn(x.data_ptr(), x.numel(), bucket_size, out.data_ptr(), torch.get_num_threads(), *options)
+    return x
+
+
+def subtract(kernel: str, payload: torch.Tensor, x: torch.Tensor, bucket_size: int,
+             *options: int) -> torch.Tensor:
+    """Run ``hvdc_<kernel>_subtract``: ``x -= decode(payload)`` in place, for a contiguous
+    float32 CPU tensor ``x`` and a checked payload of ``x.numel()`` elements, without
+    writing the decoded values anywhere. Returns ``x``."""
+    payload = payload.contiguous()
+    fn = getattr(library(), f"hvdc_{kernel}_subtract")
+    fn(payload.data_ptr(), x.numel(), bucket_size, x.data_ptr(), torch.get_num_threads(),
+       *options)
+    return x
+
+
+def reduce(kernel: str, payloads: list[torch.Tensor], numel: int, bucket_size: int,
+           residual: torch.Tensor | None, *options: int) -> torch.Tensor:
+    """Run ``hvdc_<kernel>_reduce``: the float32 sum of the decodings of ``payloads``
+    (checked CPU payloads of ``numel`` elements each), added in the order given, then
+    ``residual`` (a contiguous float32 tensor of ``numel``) if given, in one pass into
+    :func:`~hvd_compress.native.buffers.empty` memory: bit for bit ``decode(p0) +
+    decode(p1) + ... + residual`` in float32."""
+    payloads = [p.contiguous() for p in payloads]
+    pointers = (ctypes.c_void_p * len(payloads))(*(p.data_ptr() for p in payloads))
+    out = empty(numel, torch.float32)
+    fn = getattr(library(), f"hvdc_{kernel}_reduce")
+    fn(ctypes.addressof(pointers), numel, bucket_size, out.data_ptr(), torch.get_num_threads(),
+       len(payloads), None if residual is None else residual.data_ptr(), *options)
     return out

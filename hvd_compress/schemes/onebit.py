@@ -65,6 +65,7 @@ class OneBit(PackedScheme):
     name = "onebit"
     sliceable = True
     error_feedback = True
+    kernel = "onebit"
 
     def __init__(self, bucket_size: int = 2048, loco_beta: float = 0.0,
                  start_iter: int = 0) -> None:
@@ -87,7 +88,7 @@ class OneBit(PackedScheme):
 
     def encode(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         if native.active(x):
-            return native.encode("onebit", x, self.bucket_size, self.chunk_bytes(x.numel()))
+            return native.encode(self.kernel, x, self.bucket_size, self.chunk_bytes(x.numel()))
         if gpu.active(x) and (out := gpu.encode_packed("onebit", x, self.bucket_size)) is not None:
             return out
         rows, counts = bucket_view(x, self.bucket_size)
@@ -99,7 +100,7 @@ class OneBit(PackedScheme):
             payload, [wire.bits_nbytes(numel), self.chunk_bytes(numel) - wire.bits_nbytes(numel)],
             "onebit payload")
         if native.active(payload):
-            return native.decode("onebit", payload, numel, self.bucket_size)
+            return native.decode(self.kernel, payload, numel, self.bucket_size)
         if gpu.active(payload) and \
                 (out := gpu.decode_packed("onebit", payload, numel, self.bucket_size)) is not None:
             return out

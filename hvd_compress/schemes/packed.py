@@ -21,21 +21,35 @@ ring, so :func:`compressed_allreduce` runs the two-phase scheme of 1-bit Adam (T
 Per rank, traffic is ``2 (size-1)/size`` times the payload, as for a ring all-reduce of the
 payload: the wire saving equals the codec's compression rate. Nothing is decoded to float32
 before it crosses the wire.
+
+On the CPU a codec with native kernels (:attr:`PackedScheme.kernel`: 1-bit, QSGD,
+TernGrad) takes a fused path with the same results bit for bit: the chunks are encoded into
+one payload buffer; this rank's contribution is kept as those payloads
+(:class:`PackedContribution`), which error feedback subtracts from ``g + e`` in one pass
+without writing the decoded tensor; step 2's decodings, sum and residual are one pass
+(``hvdc_<kernel>_reduce``) and its re-encoding computes the new rank-side residual in the
+same pass (``hvdc_<kernel>_encode_residual``); step 3 decodes straight into the aggregate.
 """
 
 from __future__ import annotations
 
 from abc import abstractmethod
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from hvd_compress.comm.ops import AllGather, AllToAll
 from hvd_compress.native import buffers
-from hvd_compress.schemes.base import Exchange, ExchangeContext, Outcome, Scheme
+from hvd_compress.native import tensors as kernels
+from hvd_compress.schemes.base import Exchange, ExchangeContext, Outcome, Scheme, write_scaled
 
 CHUNK_RESIDUAL = "chunk_residual"
 """The state key of the reducing rank's residual for its chunk (error feedback only)."""
+
+FUSED = True
+"""Whether :func:`compressed_allreduce` takes the fused native path where it can; ``False``
+runs the unfused reference (tests/test_fused_feedback.py compares the two bit for bit)."""
 
 
 class PackedScheme(Scheme):
@@ -47,6 +61,20 @@ class PackedScheme(Scheme):
     """
 
     bucket_size: int = 512
+    kernel: str | None = None
+    """The name of the codec's native kernels (``hvdc_<kernel>_encode`` and the rest in
+    ``native/codecs.cpp``), whose CPU encode and decode are this codec's bit for bit; with
+    it, :func:`compressed_allreduce` takes its fused path on the CPU. ``None``: no kernels."""
+
+    def encode_options(self, generator: torch.Generator) -> tuple[int | float, ...]:
+        """The options :attr:`kernel`'s encode takes after the common arguments, drawing
+        from ``generator`` exactly as :meth:`encode` does on the CPU. Default: none."""
+        del generator
+        return ()
+
+    def decode_options(self) -> tuple[int, ...]:
+        """The options :attr:`kernel`'s decode takes after the common arguments."""
+        return ()
 
     @abstractmethod
     def encode(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -124,7 +152,10 @@ def compressed_allreduce(codec: PackedScheme, x: torch.Tensor,
                          state: Mapping[str, torch.Tensor], ctx: ExchangeContext) -> Exchange:
     """The exchange of a :class:`PackedScheme` (module docstring): rounds ``scatter``
     (:class:`~hvd_compress.comm.ops.AllToAll`) and ``gather``
-    (:class:`~hvd_compress.comm.ops.AllGather`)."""
+    (:class:`~hvd_compress.comm.ops.AllGather`). On the CPU, a codec with native kernels
+    takes the fused path (:func:`fused_allreduce`), with the same results bit for bit."""
+    if FUSED and codec.kernel is not None and kernels.active(x):
+        return (yield from fused_allreduce(codec, codec.kernel, x, state, ctx))
     flat = x.reshape(-1)
     sizes = chunk_sizes(flat.numel(), ctx.size, codec.bucket_size)
     gen = ctx.generator("encode", x.device)
@@ -150,5 +181,110 @@ def compressed_allreduce(codec: PackedScheme, x: torch.Tensor,
     gather_sizes = tuple(codec.chunk_bytes(n) for n in sizes)
     gathered = yield AllGather("gather", reencoded, gather_sizes)
     aggregate = buffers.cat([codec.decode(p, n) for p, n in zip(gathered, sizes)])
+    aggregate = codec.expand(aggregate, ctx.size)
+    return Outcome(aggregate.view_as(x), sent, sum(payload_sizes), new_state)
+
+
+@dataclass
+class PackedContribution:
+    """This rank's contribution to a compressed all-reduce kept as the payloads it sent
+    (chunk ``i`` of ``sizes[i]`` elements, in order), not decoded: error feedback subtracts
+    it from ``g + e`` in one native pass per chunk (:meth:`subtract_from`), without writing
+    the decoded tensor. Equal bit for bit to the decoded tensor the reference path returns
+    (:func:`compressed_allreduce`)."""
+
+    codec: PackedScheme
+    kernel: str
+    payloads: Sequence[torch.Tensor]
+    sizes: Sequence[int]
+    shape: torch.Size
+
+    def materialize(self) -> torch.Tensor:
+        out = buffers.empty(self.shape.numel(), torch.float32)
+        for p, part in zip(self.payloads, torch.split(out, list(self.sizes))):
+            if part.numel():
+                kernels.decode(self.kernel, p, part.numel(), self.codec.bucket_size,
+                               *self.codec.decode_options(), out=part)
+        return out.view(self.shape)
+
+    def total(self) -> torch.Tensor:
+        return self.materialize().sum()
+
+    def write(self, out: torch.Tensor, scale: float) -> torch.Tensor:
+        return write_scaled(self.materialize(), out, scale)
+
+    def subtract_from(self, x: torch.Tensor) -> torch.Tensor:
+        """``x -= self`` in place (``x`` of :attr:`shape`); returns ``x``."""
+        if not (x.dtype == torch.float32 and x.is_contiguous() and kernels.active(x)):
+            return x.sub_(self.materialize().view_as(x))
+        flat = x.view(-1)
+        for p, part in zip(self.payloads, torch.split(flat, list(self.sizes))):
+            if part.numel():
+                kernels.subtract(self.kernel, p, part, self.codec.bucket_size,
+                                 *self.codec.decode_options())
+        return x
+
+
+def _checked(codec: PackedScheme, payloads: Sequence[torch.Tensor], numel: int) -> bool:
+    """Whether every payload has the size of a ``numel``-element chunk (else the caller
+    takes the codec's own decode, whose check raises the error a user can act on)."""
+    nbytes = codec.chunk_bytes(numel)
+    return all(p.numel() == nbytes and p.dtype == torch.uint8 for p in payloads)
+
+
+def fused_allreduce(codec: PackedScheme, kernel: str, x: torch.Tensor,
+                    state: Mapping[str, torch.Tensor], ctx: ExchangeContext) -> Exchange:
+    """:func:`compressed_allreduce` on the CPU through ``kernel``'s native passes (module
+    docstring): the same rounds, payloads, aggregate, contribution and residual, bit for
+    bit, and the same draws from the same generators."""
+    flat = x.reshape(-1).to(torch.float32).contiguous()
+    bucket = codec.bucket_size
+    sizes = chunk_sizes(flat.numel(), ctx.size, bucket)
+    payload_sizes = tuple(codec.chunk_bytes(n) for n in sizes)
+    gen = ctx.generator("encode", x.device)
+    payload = buffers.empty(sum(payload_sizes), torch.uint8)
+    parts = torch.split(payload, payload_sizes)
+    for chunk, part in zip(torch.split(flat, sizes), parts):
+        options = codec.encode_options(gen)  # drawn for every chunk, as encode does
+        if chunk.numel():
+            kernels.encode(kernel, chunk, bucket, part.numel(), *options, out=part)
+    sent = PackedContribution(codec, kernel, parts, sizes, x.shape) \
+        if codec.error_feedback else None
+
+    received = yield AllToAll("scatter", payload, payload_sizes)
+    mine = sizes[ctx.rank]
+    residual = state.get(CHUNK_RESIDUAL) if codec.error_feedback else None
+    if residual is not None and residual.numel() != mine:
+        residual = None
+    if mine and type(codec).reduce is PackedScheme.reduce and _checked(codec, received, mine):
+        if residual is not None:
+            residual = residual.reshape(-1).to(torch.float32).contiguous()
+        chunk_sum = kernels.reduce(kernel, list(received), mine, bucket, residual,
+                                   *codec.decode_options())
+    else:
+        chunk_sum = codec.reduce(received, mine)
+        if residual is not None:
+            chunk_sum += residual
+
+    new_state: dict[str, torch.Tensor] = {}
+    reencoded = buffers.empty(payload_sizes[ctx.rank], torch.uint8)
+    options = codec.encode_options(ctx.generator("reencode", x.device))
+    if codec.error_feedback:
+        if mine:
+            kernels.encode_residual(kernel, chunk_sum, bucket, reencoded, *options)
+        new_state[CHUNK_RESIDUAL] = chunk_sum
+    elif mine:
+        kernels.encode(kernel, chunk_sum, bucket, reencoded.numel(), *options, out=reencoded)
+
+    gathered = yield AllGather("gather", reencoded, payload_sizes)
+    aggregate = buffers.empty(flat.numel(), torch.float32)
+    for p, part in zip(gathered, torch.split(aggregate, sizes)):
+        n = part.numel()
+        if not n:
+            continue
+        if _checked(codec, [p], n):
+            kernels.decode(kernel, p, n, bucket, *codec.decode_options(), out=part)
+        else:
+            part.copy_(codec.decode(p, n))
     aggregate = codec.expand(aggregate, ctx.size)
     return Outcome(aggregate.view_as(x), sent, sum(payload_sizes), new_state)

@@ -78,10 +78,18 @@ class QSGD(PackedScheme):
         buckets = (numel + self.bucket_size - 1) // self.bucket_size
         return wire.codes_nbytes(numel, self.bits) + 4 * buckets
 
+    kernel = "qsgd"
+
+    def encode_options(self, generator: torch.Generator) -> tuple[int | float, ...]:
+        return self.bits, self.norm == "l2", native.seed(generator)
+
+    def decode_options(self) -> tuple[int, ...]:
+        return (self.bits,)
+
     def encode(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         if native.active(x):
-            return native.encode("qsgd", x, self.bucket_size, self.chunk_bytes(x.numel()),
-                                 self.bits, self.norm == "l2", native.seed(generator))
+            return native.encode(self.kernel, x, self.bucket_size, self.chunk_bytes(x.numel()),
+                                 *self.encode_options(generator))
         if gpu.active(x) and (out := gpu.encode_packed(
                 "qsgd", x, self.bucket_size, generator, bits=self.bits,
                 l2=self.norm == "l2")) is not None:
@@ -107,7 +115,8 @@ class QSGD(PackedScheme):
         codes, norms = wire.split_sections(
             payload, [code_bytes, self.chunk_bytes(numel) - code_bytes], "qsgd payload")
         if native.active(payload):
-            return native.decode("qsgd", payload, numel, self.bucket_size, self.bits)
+            return native.decode(self.kernel, payload, numel, self.bucket_size,
+                                 *self.decode_options())
         if gpu.active(payload) and (out := gpu.decode_packed(
                 "qsgd", payload, numel, self.bucket_size, self.bits)) is not None:
             return out

@@ -72,10 +72,15 @@ class TernGrad(PackedScheme):
         buckets = (numel + self.bucket_size - 1) // self.bucket_size
         return wire.trits_nbytes(numel) + 4 * buckets
 
+    kernel = "terngrad"
+
+    def encode_options(self, generator: torch.Generator) -> tuple[int | float, ...]:
+        return self.clip or 0.0, native.seed(generator)
+
     def encode(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         if native.active(x):
-            return native.encode("terngrad", x, self.bucket_size, self.chunk_bytes(x.numel()),
-                                 self.clip or 0.0, native.seed(generator))
+            return native.encode(self.kernel, x, self.bucket_size, self.chunk_bytes(x.numel()),
+                                 *self.encode_options(generator))
         if gpu.active(x) and (out := gpu.encode_packed(
                 "terngrad", x, self.bucket_size, generator, clip=self.clip)) is not None:
             return out
@@ -100,7 +105,7 @@ class TernGrad(PackedScheme):
         trits, scales = wire.split_sections(
             payload, [trit_bytes, self.chunk_bytes(numel) - trit_bytes], "terngrad payload")
         if native.active(payload):
-            return native.decode("terngrad", payload, numel, self.bucket_size)
+            return native.decode(self.kernel, payload, numel, self.bucket_size)
         if gpu.active(payload) and (out := gpu.decode_packed(
                 "terngrad", payload, numel, self.bucket_size)) is not None:
             return out

@@ -1,0 +1,170 @@
+"""The fused error-feedback path of the packed codecs on the CPU (``schemes/packed.py``'s
+``fused_allreduce`` and the ``encode_residual``/``subtract``/``reduce`` kernels of
+``native/codecs.cpp``) against the unfused reference, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hvd_compress import Compression
+from hvd_compress.native import tensors as kernels
+from hvd_compress.schemes import packed
+from hvd_compress.schemes.packed import PackedScheme
+from tests.threaded import make_pipelines, on_threads
+
+pytestmark = pytest.mark.skipif(not kernels.active(torch.zeros(1)),
+                                reason="native kernels unavailable")
+
+CODECS = [Compression.onebit(bucket_size=64), Compression.onebit(),
+          Compression.qsgd(bits=3, bucket_size=56, error_feedback=True),
+          Compression.qsgd(bits=4, bucket_size=64, norm="l2", error_feedback=True),
+          Compression.terngrad(bucket_size=40, error_feedback=True),
+          Compression.terngrad(bucket_size=64, clip=2.5)]
+SIZES = [1, 7, 64, 1000, 4099, 70001]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The float32 tensor's bit patterns (NaNs compare by their bits)."""
+    return t.contiguous().view(torch.int32)
+
+
+def assert_same(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.shape == b.shape and a.dtype == b.dtype
+    assert torch.equal(bits(a) if a.dtype == torch.float32 else a,
+                       bits(b) if b.dtype == torch.float32 else b)
+
+
+def values(n: int, seed: int, special: bool = False) -> torch.Tensor:
+    """Gradient-like values; ``special``: with zeros, a zero bucket, infinities and NaN."""
+    x = torch.randn(n, generator=torch.Generator().manual_seed(seed)) * 1e-2
+    if special and n >= 8:
+        x[: min(n, 64)] = 0.0
+        x[n // 3] = float("inf")
+        x[n // 2] = -float("inf")
+        x[-1] = float("nan")
+        x[n // 5] = -0.0
+    return x
+
+
+def options(codec: PackedScheme, seed: int) -> tuple:
+    return codec.encode_options(torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: f"{c.name}-{c.bucket_size}")
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("special", [False, True])
+def test_encode_residual_is_encode_then_decode_and_subtract(codec: PackedScheme, n: int,
+                                                           special: bool) -> None:
+    x = values(n, n, special)
+    reference = codec.encode(x, torch.Generator().manual_seed(3))
+    expected = x.clone().sub_(codec.decode(reference, n))
+    payload = torch.empty(codec.chunk_bytes(n), dtype=torch.uint8)
+    residual = x.clone()
+    kernels.encode_residual(codec.kernel, residual, codec.bucket_size, payload,
+                            *options(codec, 3))
+    assert torch.equal(payload, reference)
+    assert_same(residual, expected)
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: f"{c.name}-{c.bucket_size}")
+@pytest.mark.parametrize("n", SIZES)
+def test_subtract_and_reduce_are_decode_then_torch_arithmetic(codec: PackedScheme,
+                                                              n: int) -> None:
+    payloads = [codec.encode(values(n, 10 * n + r, special=r == 1),
+                             torch.Generator().manual_seed(r)) for r in range(4)]
+    x = values(n, 99)
+    assert_same(kernels.subtract(codec.kernel, payloads[0], x.clone(), codec.bucket_size,
+                                 *codec.decode_options()),
+                x - codec.decode(payloads[0], n))
+    residual = values(n, 7, special=True)
+    for count in (1, 2, 4):
+        total = codec.decode(payloads[0], n).clone()
+        for p in payloads[1:count]:
+            total += codec.decode(p, n)
+        got = kernels.reduce(codec.kernel, payloads[:count], n, codec.bucket_size, None,
+                             *codec.decode_options())
+        assert_same(got, total)
+        got = kernels.reduce(codec.kernel, payloads[:count], n, codec.bucket_size, residual,
+                             *codec.decode_options())
+        assert_same(got, total + residual)
+
+
+@pytest.mark.parametrize("codec", CODECS[:3], ids=lambda c: f"{c.name}-{c.bucket_size}")
+def test_kernels_give_the_same_bits_on_any_thread_count(codec: PackedScheme) -> None:
+    n = 300_007  # above the kernels' parallel threshold
+    x = values(n, 1, special=True)
+    payloads = [codec.encode(values(n, s), torch.Generator().manual_seed(s)) for s in (1, 2)]
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            payload = torch.empty(codec.chunk_bytes(n), dtype=torch.uint8)
+            residual = kernels.encode_residual(codec.kernel, x.clone(), codec.bucket_size,
+                                               payload, *options(codec, 5))
+            total = kernels.reduce(codec.kernel, payloads, n, codec.bucket_size, x,
+                                   *codec.decode_options())
+            results.append((payload, residual, total))
+    finally:
+        torch.set_num_threads(before)
+    for payload, residual, total in results[1:]:
+        assert torch.equal(payload, results[0][0])
+        assert_same(residual, results[0][1])
+        assert_same(total, results[0][2])
+
+
+MODEL = {"w": (37, 53), "b": (7,), "zero": (130,), "big": (81, 1003)}
+
+
+def train(codec: PackedScheme, size: int, steps: int = 4) -> list[tuple]:
+    """Every rank's aggregates, residuals and scheme state after each step, the tensors
+    submitted one by one (no fusion buffer)."""
+    pipes = make_pipelines(codec, size, bucket_bytes=None)
+
+    def work(rank: int) -> list[tuple]:
+        gen = torch.Generator().manual_seed(rank)
+        out = []
+        for _ in range(steps):
+            grads = {name: torch.randn(shape, generator=gen) * 1e-2 for name, shape in
+                     MODEL.items()}
+            grads["zero"].zero_()
+            result = pipes[rank].reduce(grads)
+            state = pipes[rank].state_dict()
+            out.append((result, state["residuals"], state["scheme_state"]))
+        return out
+
+    return on_threads(size, work)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+@pytest.mark.parametrize("codec", [CODECS[0], CODECS[2], CODECS[5]],
+                         ids=lambda c: f"{c.name}-{c.bucket_size}")
+def test_fused_training_steps_are_bit_identical_to_the_reference(
+        codec: PackedScheme, size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    fused_allreduce = packed.fused_allreduce
+
+    def counted(*args: object) -> object:
+        calls.append(args[1])
+        return (yield from fused_allreduce(*args))
+
+    monkeypatch.setattr(packed, "fused_allreduce", counted)
+    fused = train(codec, size)
+    assert calls and set(calls) == {codec.kernel}
+    monkeypatch.setattr(packed, "FUSED", False)
+    reference = train(codec, size)
+    assert len(calls) == len(MODEL) * 4 * size  # the reference took the unfused path
+    for rank_fused, rank_reference in zip(fused, reference):
+        for (agg, res, st), (agg_r, res_r, st_r) in zip(rank_fused, rank_reference):
+            assert agg.keys() == agg_r.keys()
+            for name in agg:
+                assert_same(agg[name], agg_r[name])
+            assert res.keys() == res_r.keys()
+            for name in res:
+                assert_same(res[name], res_r[name])
+            assert st.keys() == st_r.keys()
+            for name in st:
+                assert st[name].keys() == st_r[name].keys()
+                for key in st[name]:
+                    assert_same(st[name][key], st_r[name][key])
