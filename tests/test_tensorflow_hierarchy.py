@@ -14,10 +14,12 @@ import numpy as np
 import pytest
 
 from tests.harness import launch_command, rank_env, run_command
+from tests.servers import ServerProcess
 
 pytestmark = pytest.mark.tensorflow
 
-TAPE_SPECS = ["none", "onebit:bucket_size=64", "powersgd:rank=2,start_iter=1"]
+TAPE_SPECS = ["none", "onebit:bucket_size=64", "powersgd:rank=2,start_iter=1",
+              "topk:ratio=0.05"]
 KERAS_SPECS = ["none", "qsgd:bucket_size=64"]
 HOST_ENV = {"HVD_COMPRESS_RANKS_PER_HOST": "2", "HOROVOD_DYNAMIC_PROCESS_SETS": "1"}
 
@@ -71,8 +73,14 @@ def test_the_tensorflow_binding_refuses_what_two_levels_cannot_run(
 @pytest.mark.timeout(300)
 def test_two_hosts_of_two_ranks_agree_resume_and_match_the_flat_route() -> None:
     """Tape under ``tf.function`` against an eager resume from each rank's own state;
-    ``none`` bit for bit the flat route's; the Keras optimizer's replicas identical."""
-    ranks = _run_ranks(4, timeout=280, specs=TAPE_SPECS, keras_specs=KERAS_SPECS)
+    ``none`` bit for bit the flat route's; top-k's pairs through a server of 2 workers (the
+    hosts); the Keras optimizer's replicas identical."""
+    server = ServerProcess(["--bind", "127.0.0.1:0", "--workers", "2", "--deadline", "60"])
+    try:
+        ranks = _run_ranks(4, timeout=280, specs=TAPE_SPECS, keras_specs=KERAS_SPECS,
+                           ps=f"grpc://{server.address}")
+    finally:
+        server.kill()
     for spec in TAPE_SPECS:
         first = ranks[0]["tape"][spec]
         for rank in ranks:
@@ -85,13 +93,16 @@ def test_two_hosts_of_two_ranks_agree_resume_and_match_the_flat_route() -> None:
         assert [s["layout"]["local_rank"] for s in stats] == [0, 1, 0, 1]
         assert {s["layout"]["hosts"] for s in stats} == {2}
         assert all(s["collective_bytes"]["host"] > 0 for s in stats), spec
-        assert all(s["cross"] == "HorovodTFCommunicator" for s in stats), spec
+        cross = "ParameterServerCommunicator" if spec.startswith("topk") \
+            else "HorovodTFCommunicator"
+        assert all(s["cross"] == cross for s in stats), spec
         # Compressed pieces: sliced row blocks ("w#0") or whole tensors (PowerSGD).
         compressed = set().union(*(s["compressed"] for s in stats))
         assert bool(compressed) == (spec != "none"), (spec, compressed)
     assert ranks[0]["tape"]["onebit:bucket_size=64"]["stats"]["layout"]["split"] == "slices"
     assert ranks[0]["tape"]["powersgd:rank=2,start_iter=1"]["stats"]["layout"]["split"] \
         == "tensors"
+    assert "sparse" in ranks[0]["tape"]["topk:ratio=0.05"]["stats"]["collective_bytes"]
     none = ranks[0]["tape"]["none"]
     for name, value in none["flat"].items():
         np.testing.assert_array_equal(none["two"][name], value, err_msg=name)

@@ -48,11 +48,11 @@ def _stats(pipeline: Any, hierarchy: str | None) -> dict[str, Any]:
 
 
 def _tape(spec: str, hierarchy: str | None, first: int, count: int, traced: bool = False,
-          start: dict[str, Any] | None = None) -> tuple[dict[str, np.ndarray], dict[str, Any],
-                                                         dict[str, Any]]:
+          start: dict[str, Any] | None = None, ps: str | None = None
+          ) -> tuple[dict[str, np.ndarray], dict[str, Any], dict[str, Any]]:
     """The tape's variables after steps ``first .. first+count-1`` (SGD, learning rate 1),
     from zeros or from ``start`` (variables and this rank's serialized compression state);
-    the state to resume from; the exchange's stats."""
+    the state to resume from; the exchange's stats. ``ps``: the tape's servers."""
     # A new object per run (Compression.parse("none") is the shared Compression.none): the
     # exchange state belongs to the compression object.
     compression = NoCompression() if spec == "none" else Compression.parse(spec)
@@ -67,7 +67,7 @@ def _tape(spec: str, hierarchy: str | None, first: int, count: int, traced: bool
         with tf.GradientTape() as tape:
             loss = tf.add_n([tf.reduce_sum(v * c) for v, c in zip(variables, coefficients)])
         tape = DistributedGradientTape(tape, compression=compression, policy=POLICY,
-                                       hierarchy=hierarchy)
+                                       hierarchy=hierarchy, ps=ps or "")
         for variable, grad in zip(variables, tape.gradient(loss, variables)):
             variable.assign_sub(grad)
 
@@ -93,15 +93,17 @@ def _keras(spec: str, steps: int) -> tuple[dict[str, np.ndarray], dict[str, Any]
             _stats(pipeline, "host"))
 
 
-def steps(specs: list[str], keras_specs: list[str]) -> dict[str, Any]:
+def steps(specs: list[str], keras_specs: list[str], ps: str | None = None) -> dict[str, Any]:
     """Per tape scheme: the variables after 3 two-level steps under ``tf.function``, after
     steps 1-2 eagerly resumed from each rank's own state after step 0, and (``none``) after
-    3 flat steps. Per Keras scheme: the variables after 3 two-level steps."""
+    3 flat steps; top-k's pairs go to the servers ``ps``. Per Keras scheme: the variables
+    after 3 two-level steps."""
     out: dict[str, Any] = {"tape": {}, "keras": {}}
     for spec in specs:
-        two, _, stats = _tape(spec, "host", 0, 3, traced=True)
-        _, state, _ = _tape(spec, "host", 0, 1)
-        resumed, _, _ = _tape(spec, "host", 1, 2, start=state)
+        server = ps if spec.startswith("topk") else None
+        two, _, stats = _tape(spec, "host", 0, 3, traced=True, ps=server)
+        _, state, _ = _tape(spec, "host", 0, 1, ps=server)
+        resumed, _, _ = _tape(spec, "host", 1, 2, start=state, ps=server)
         out["tape"][spec] = {"two": two, "resumed": resumed, "stats": stats}
         if spec == "none":
             out["tape"][spec]["flat"] = _tape(spec, None, 0, 3)[0]
