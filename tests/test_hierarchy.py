@@ -14,6 +14,7 @@ from hvd_compress.hierarchy import (
     HostLayout,
     check_hierarchy,
     cut,
+    horovod_host_communicators,
     host_key,
     split_of,
 )
@@ -181,3 +182,49 @@ def test_options_the_optimizer_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HVD_COMPRESS_RANKS_PER_HOST", "0")
     with pytest.raises(ValueError, match="RANKS_PER_HOST"):
         host_key(0, "horovod's")
+
+
+class _FakeHorovod:
+    """What :func:`horovod_host_communicators` calls of a Horovod binding, for rank 3 of 4
+    ranks on 2 hosts; records the process sets it adds."""
+
+    def __init__(self) -> None:
+        self.added: list[list[int]] = []
+        self.key: Any = None
+
+    def rank(self) -> int:
+        return 3
+
+    def cross_rank(self) -> int:
+        return 1
+
+    def allgather_object(self, key: Any) -> list[Any]:
+        self.key = key
+        return [0, 0, 1, 1]  # every rank's host key, $HVD_COMPRESS_RANKS_PER_HOST=2
+
+    def add_process_set(self, ranks: list[int]) -> Any:
+        self.added.append(ranks)
+        return ("added", tuple(ranks))
+
+
+def test_host_communicators_use_the_bindings_communicator_on_each_process_set(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The binding-neutral part the TensorFlow binding reuses: the layout, process sets
+    (a registered one reused, the others added in the same order on every rank), and the
+    binding's communicator made over each."""
+    from horovod.common import process_sets
+
+    monkeypatch.setenv("HVD_COMPRESS_RANKS_PER_HOST", "2")
+    monkeypatch.setattr(process_sets, "_basics", type("Basics", (), {
+        "_get_process_set_ids_and_ranks": staticmethod(lambda: {0: [0, 1, 2, 3], 7: [2, 3]})})())
+    def communicator(process_set: Any) -> Any:
+        return ("communicator", getattr(process_set, "process_set_id", process_set))
+
+    hvd = _FakeHorovod()
+    layout, local, cross = horovod_host_communicators(hvd, communicator)
+    assert hvd.key == 1
+    assert layout.hosts == ((0, 1), (2, 3)) and (layout.local_rank, layout.host) == (1, 1)
+    assert layout.cross_ranks == (1, 3)
+    assert hvd.added == [[0, 1], [0, 2], [1, 3]]  # [2, 3] was registered (id 7)
+    assert local == ("communicator", 7)
+    assert cross == ("communicator", ("added", (1, 3)))
