@@ -26,7 +26,14 @@ from hvd_compress.sparse_wire import (
     varint_encode,
     varint_nbytes,
 )
-from ps_server.rounds import Finished, Quorum, close_pushes, encode_aggregate, new_state
+from ps_server.rounds import (
+    Finished,
+    Quorum,
+    aggregate,
+    close_pushes,
+    encode_aggregate,
+    new_state,
+)
 from ps_server.service import ShardService
 from ps_server.store import ConflictingPush, ShardStore
 
@@ -124,10 +131,9 @@ def test_topk_ties_take_the_lower_indices_on_both_routes():
     np.testing.assert_array_equal(state_out[0][0][1][0], [idx[150]])
 
 
-def test_topk_on_periodic_data_that_misleads_the_threshold_sample():
-    """The native top-k estimates its threshold from every (numel / 2**12)-th entry: here
-    those entries all exceed the rest, so its first threshold keeps too few candidates and
-    it must lower it; the result is still the numpy route's."""
+def test_topk_on_periodic_data_where_most_blocks_hold_a_winner():
+    """Every block of the residual (64 entries) holds entries of 3 that beat every pair's
+    sum: the native top-k reads them all, and its result is still the numpy route's."""
     numel, k = 1 << 18, 70000
     residual = np.where(np.arange(numel) % 4 == 0, 3.0, -1.0).astype(np.float32)
     residual[1::8] = 1.5
@@ -148,6 +154,98 @@ def test_topk_with_fewer_non_zero_entries_than_k_takes_the_lowest_zeros():
     assert_routes_agree(results)
     top = results[0][0][1][0]
     np.testing.assert_array_equal(top, np.union1d(np.arange(k - 10), idx[::100]))
+
+
+def assert_bounds_hold(residual: np.ndarray) -> None:
+    """The bounds kept for ``residual`` are at least each block's largest |x|."""
+    bounds = native_round.residual_bounds(native.library(), residual)
+    block = native_round.BOUND_BLOCK
+    padded = np.zeros(bounds.size * block, np.uint32)
+    padded[:residual.size] = residual.view(np.uint32) & 0x7FFFFFFF
+    assert (bounds >= padded.reshape(-1, block).max(axis=1)).all()
+
+
+def uneven_round(rng, numel: int, round: int) -> list[bytes]:
+    """Three workers: two share most indices (duplicates across workers), the third pushes
+    nothing, a few pairs or many, of magnitudes that vary by round; so the k-th largest is
+    sometimes among the pairs, sometimes an untouched entry of the residual."""
+    common = np.sort(rng.choice(numel, int(rng.integers(0, numel // 4 + 2)), replace=False))
+    frames = []
+    for w in range(2):
+        idx = np.union1d(common[rng.random(common.size) < 0.8],
+                         rng.choice(numel, min(50, numel), replace=False))
+        frames.append(frame(w, round, idx, rng.standard_normal(idx.size) * 0.3, numel))
+    few = np.sort(rng.choice(numel, min(numel, int(rng.choice([0, 3, numel // 3]))),
+                             replace=False))
+    frames.append(frame(2, round, few, rng.standard_normal(few.size) * 4.0, numel))
+    return frames
+
+
+@pytest.mark.parametrize("numel", [1, 63, 65, 10007])
+def test_topk_rounds_with_kept_bounds_match_the_numpy_route(numel):
+    """Rounds on one state reuse the residual's bounds: odd sizes (a partial last block),
+    duplicate indices across workers, empty pushes, few pairs (the winners then come from
+    blocks of the residual no pair touches); every residual and aggregate is the numpy
+    route's, and the bounds stay above every block's entries."""
+    rng = np.random.default_rng(numel)
+    rounds = [uneven_round(rng, numel, r) for r in range(10)]
+    native_out, numpy_out = both_routes("topk", numel, rounds)
+    assert_routes_agree((native_out, numpy_out))
+    state = new_state("topk", numel, 0, 0.0)
+    for frames in rounds:
+        pushes = pushes_of(frames)
+        close_pushes("topk", state, pushes, max(f.count for f in pushes))
+        assert_bounds_hold(state.residual)
+
+
+@pytest.mark.parametrize("k", [0, 1, 7, 500, 20000])
+def test_topk_of_a_replayed_sum_with_any_k_matches_the_numpy_route(k):
+    """A journaled sum through the top-k (k = 0, k beyond the sum's pairs, beyond numel),
+    from a residual with values no pair reaches: the native and numpy aggregates agree."""
+    numel = 9000
+    rng = np.random.default_rng(k)
+    start = (rng.standard_normal(numel) * (rng.random(numel) < 0.05)).astype(np.float32)
+    idx = np.sort(rng.choice(numel, 300, replace=False)).astype(np.int64)
+    val = (rng.standard_normal(300) * 0.5).astype(np.float32)
+    results = []
+    for disabled in (False, True):
+        state = new_state("topk", numel, 0, 0.0)
+        state.residual = start.copy()
+        with native.disabled() if disabled else contextlib.nullcontext():
+            out = aggregate("topk", state, idx, val, k)
+            again = aggregate("topk", state, idx[::2], val[::2], k)  # bounds kept
+        results.append((out, again, state.residual))
+    for a, b in zip(*results):
+        for x, y in zip(a, b) if isinstance(a, tuple) else [(a, b)]:
+            assert_same_bits(np.asarray(x), np.asarray(y))
+    assert results[0][0][0].size == min(k, numel)
+
+
+def test_topk_ties_between_pairs_and_untouched_entries_take_the_lower_indices():
+    """|s| = 1 at pairs and at untouched entries of the residual alike: the lowest indices
+    of the tied win, wherever they are."""
+    numel = 4096
+    residual = np.zeros(numel, np.float32)
+    residual[::7] = -1.0
+    idx = np.arange(3, numel, 11)
+    val = np.where(idx % 7 == 0, 0.0, 1.0)  # where a pair meets a -1, s stays -1
+    rounds = [[frame(0, 0, idx, val, numel)]]
+    results = both_routes("topk", numel, rounds, residual=residual)
+    assert_routes_agree(results)
+    top = results[0][0][1][0]
+    tied = np.union1d(np.arange(0, numel, 7), idx)
+    np.testing.assert_array_equal(top, tied[:idx.size])
+
+
+def test_a_residual_changed_in_place_needs_its_bounds_forgotten():
+    numel = 1000
+    residual = np.zeros(numel, np.float32)
+    one = (np.array([5], np.int64), np.array([1.0], np.float32))
+    native_round.topk(residual, *one, 1)  # bounds kept: all zero but at 5
+    residual[900] = 50.0  # not through a round
+    native_round.forget_residual(residual)
+    top, _ = native_round.topk(residual, *one, 1)
+    np.testing.assert_array_equal(top, [900])
 
 
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])

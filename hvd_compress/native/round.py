@@ -11,6 +11,7 @@ the caller then runs that numpy route.
 from __future__ import annotations
 
 import ctypes
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -41,8 +42,58 @@ def pooled_arrays(pairs: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 
+BOUND_BLOCK = 64
+"""Residual entries per bound of ``hvdc_topk_bounded`` (``kBoundBlock``)."""
+
+_bounds: dict[int, tuple[weakref.ref, np.ndarray]] = {}
+_c_int64, _c_ptr = ctypes.c_int64, ctypes.c_void_p
+_BOUNDED_SIGNATURES = {
+    "hvdc_topk_bounds": (_c_ptr, _c_int64, _c_ptr),
+    "hvdc_topk_bounded": (_c_ptr, _c_int64, _c_ptr, _c_ptr, _c_ptr, _c_int64, _c_int64, _c_ptr,
+                          _c_ptr),
+    "hvdc_round_bounded": (_c_int64, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_ptr,
+                           _c_ptr, _c_int64, _c_int64, _c_ptr, _c_ptr),
+}
+"""Argument types of the kernels with kept bounds (int64 results), set on first use."""
+
+
+def residual_bounds(lib: ctypes.CDLL, residual: np.ndarray) -> np.ndarray:
+    """The bounds ``hvdc_topk_bounded`` keeps for ``residual`` between rounds (for each block of
+    :data:`BOUND_BLOCK` entries, at least the largest ``|x|``, as float bits), so that a
+    round reads the residual only where the sum lands and in the few blocks that may hold
+    a winner: computed by one pass the first time this array is seen, then updated by
+    every round. The residual must change only through :func:`close_round` and
+    :func:`topk` (the server's routes replace the array otherwise: the numpy route, a
+    restore); after changing it in place, call :func:`forget_residual`."""
+    key = id(residual)
+    held = _bounds.get(key)
+    if held is not None and held[0]() is residual:
+        return held[1]
+    bounds = np.empty(-(-residual.size // BOUND_BLOCK), np.uint32)
+    lib.hvdc_topk_bounds(_ptr(residual), residual.size, _ptr(bounds))
+
+    def gone(ref: weakref.ref, key: int = key) -> None:
+        if _bounds.get(key, (None,))[0] is ref:
+            del _bounds[key]
+
+    _bounds[key] = (weakref.ref(residual, gone), bounds)
+    return bounds
+
+
+def forget_residual(residual: np.ndarray) -> None:
+    """Drop the bounds kept for ``residual`` (after changing it other than by a round)."""
+    held = _bounds.get(id(residual))
+    if held is not None and held[0]() is residual:
+        del _bounds[id(residual)]
+
+
 def _lib() -> ctypes.CDLL | None:
-    return library() if available() else None
+    lib = library() if available() else None
+    if lib is not None and lib.hvdc_topk_bounds.restype is not _c_int64:
+        for name, argtypes in _BOUNDED_SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = list(argtypes), _c_int64
+    return lib
 
 
 def _ptr(a: np.ndarray) -> int:
@@ -82,9 +133,11 @@ def close_round(pushes: Sequence[Pairs], numel: int, residual: np.ndarray | None
         k = max(0, min(k, numel))
         agg_idx = np.empty(k, dtype=np.int64)
         agg_val = np.empty(k, dtype=np.float32)
-    status = lib.hvdc_round(len(idx), _ptr(idx_table), _ptr(val_table), _ptr(counts),
+    status = lib.hvdc_round_bounded(len(idx), _ptr(idx_table), _ptr(val_table), _ptr(counts),
                             _ptr(union_idx), _ptr(union_val), ctypes.byref(union_count),
-                            None if residual is None else _ptr(residual), numel, k,
+                            None if residual is None else _ptr(residual),
+                            None if residual is None else _ptr(residual_bounds(lib, residual)),
+                            numel, k,
                             None if agg_idx is None else _ptr(agg_idx),
                             None if agg_val is None else _ptr(agg_val))
     if status == -1 or union_count.value < 0:
@@ -111,7 +164,8 @@ def topk(residual: np.ndarray, indices: np.ndarray, values: np.ndarray, k: int
     k = max(0, min(k, numel))
     out_idx = np.empty(k, dtype=np.int64)
     out_val = np.empty(k, dtype=np.float32)
-    status = lib.hvdc_topk(_ptr(residual), numel, _ptr(indices), _ptr(values),
+    status = lib.hvdc_topk_bounded(_ptr(residual), numel, _ptr(residual_bounds(lib, residual)),
+                           _ptr(indices), _ptr(values),
                            indices.size, k, _ptr(out_idx), _ptr(out_val))
     if status == -1:
         raise ValueError("the union sum's indices must be strictly increasing")

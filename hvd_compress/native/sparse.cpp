@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <vector>
 #if (defined(__PCLMUL__) && defined(__SSE4_1__)) || defined(__AVX2__) || defined(__BMI2__)
 #include <immintrin.h>
@@ -106,131 +107,218 @@ inline uint32_t magnitude(float x) {
     return bits & 0x7FFFFFFFu;
 }
 constexpr uint32_t kNonFinite = 0x7F800000u;  // magnitude() of infinity; NaN is above
+
+// Entries of the residual covered by one bound of hvdc_topk_bounded (see there), and how many
+// pairs ahead its scattered accesses to the residual are prefetched.
+constexpr int64_t kBoundBlock = 64, kAhead = 48;
+
+// The exact bound of each block of kBoundBlock entries of x: the largest magnitude().
+void block_bounds(const float* x, int64_t numel, uint32_t* bounds) {
+    for (int64_t b = 0, lo = 0; lo < numel; ++b, lo += kBoundBlock) {
+        const int64_t hi = std::min(lo + kBoundBlock, numel);
+        uint32_t most = 0;
+        for (int64_t i = lo; i < hi; ++i) most = std::max(most, magnitude(x[i]));
+        bounds[b] = most;
+    }
+}
+
+// The magnitude of rank k (1 = the largest) among those `mags` give, k <= their count.
+// A histogram of the top 15 bits, then the bucket that holds rank k in full.
+template <typename Mag>
+uint32_t kth_largest(int64_t count, Mag mags, int64_t k, std::vector<uint32_t>& hist) {
+    hist.assign(size_t(1) << 15, 0);
+    for (int64_t c = 0; c < count; ++c) ++hist[mags[c] >> 16];
+    int64_t above = 0, bucket = (int64_t(1) << 15) - 1;
+    for (; above + hist[size_t(bucket)] < k; --bucket) above += hist[size_t(bucket)];
+    std::vector<uint32_t> low;
+    low.reserve(hist[size_t(bucket)]);
+    for (int64_t c = 0; c < count; ++c)
+        if (int64_t(mags[c] >> 16) == bucket) low.push_back(mags[c]);
+    const size_t rank = size_t(k - above - 1);
+    std::nth_element(low.begin(), low.begin() + rank, low.end(), std::greater<uint32_t>());
+    return low[rank];
+}
+
+struct Candidate {
+    int64_t at;
+    float value;
+    uint32_t mag;
+};
+
+struct Magnitudes {  // the candidates' magnitudes, for kth_largest
+    const Candidate* cand;
+    uint32_t operator[](int64_t c) const { return cand[c].mag; }
+};
+
+// An array that keeps its memory between calls (grown, never shrunk nor cleared): a
+// round's scratch, not faulted in and zeroed by the kernel every round.
+template <typename T>
+struct Buffer {
+    std::unique_ptr<T[]> data;
+    int64_t size = 0;
+    T* ensure(int64_t n) {
+        if (n > size) {
+            size = n + n / 4;  // room for the next rounds, a little larger
+            data.reset(new T[size_t(size)]);
+        }
+        return data.get();
+    }
+};
+
+struct Scratch {
+    Buffer<float> old, sum;
+    Buffer<uint32_t> mag, own;
+    Buffer<Candidate> cand;
+    std::vector<uint32_t> hist;
+    std::vector<int64_t> read;
+};
+
+Scratch& scratch() {  // one per thread: a server closes rounds on any of its threads
+    thread_local Scratch s;
+    return s;
+}
 }  // namespace
 
 extern "C" {
+// The bounds hvdc_topk_bounded keeps for `residual` (numel floats): ceil(numel / 64) uint32, each
+// the largest |x| (as magnitude()) of its 64 entries. Returns their count.
+int64_t hvdc_topk_bounds(const float* residual, int64_t numel, uint32_t* bounds) {
+    block_bounds(residual, numel, bounds);
+    return (numel + kBoundBlock - 1) / kBoundBlock;
+}
+
 // Server-side error feedback of mode topk: s = residual + (the union sum: n pairs at
 // strictly increasing u_idx), then the k entries of largest |s| (ties: the lower index)
 // go to out_idx (increasing) and out_val, and residual <- s with those entries set to
 // 0.0f. Returns min(k, numel); -2 when s is not finite anywhere: the residual is then
 // left as it was (the caller returns s whole); -1 if u_idx is not strictly increasing.
 //
-// One pass over the residual adds the sum in (in order, so memory is read sequentially),
-// checks that s is finite and keeps the candidates: the entries whose |s| reaches a
-// threshold t estimated from a fixed sample (every numel / 2**13-th entry). The k-th
-// largest |s| among them is exact when at least k reach t (else the pass runs again with
-// a lower t, down to 0, the sum already added), and the winners are written in index
-// order. The sample only decides how many candidates there are, never which entries win.
-int64_t hvdc_topk(float* residual, int64_t numel, const int64_t* u_idx, const float* u_val,
-                  int64_t n, int64_t k, int64_t* out_idx, float* out_val) {
+// `bounds` (hvdc_topk_bounds's, kept by the caller between rounds and updated here; or
+// null: computed by a pass over the residual) hold for each block of 64 entries a number
+// at least the magnitude of each: the residual changes only at the sum's pairs, so its
+// top-k is found without reading all of it. The sum is added at its pairs (keeping the
+// old values), and t0 is the lower edge of the magnitude bucket holding the k-th largest
+// |s| among them: a lower bound of the k-th largest |s| of all entries when n >= k (else
+// t0 = 0). The candidates are the pairs with |s| >= t0 and every entry of the blocks whose
+// bound reaches t0; every other entry is below t0, so the k-th largest candidate is the
+// k-th largest of all, exactly, ties included, and a non-finite entry (its block's bound
+// is at least infinity's magnitude) is always among those read. The bounds of the blocks
+// read are then recomputed exactly, the others raised to the pairs' new |residual|.
+int64_t hvdc_topk_bounded(float* residual, int64_t numel, uint32_t* bounds,
+                          const int64_t* u_idx, const float* u_val, int64_t n, int64_t k,
+                          int64_t* out_idx, float* out_val) {
     for (int64_t j = 1; j < n; ++j)
         if (u_idx[j] <= u_idx[j - 1]) return -1;
     if (k > numel) k = numel;
-    const int64_t stride = numel > (1 << 13) ? numel >> 13 : 1;
-    std::vector<uint32_t> sample;  // |s| at every stride-th entry, in decreasing order
-    if (k > 0 && k < numel) {
-        sample.reserve(size_t(numel / stride + 1));
-        const int64_t* u = u_idx;
-        const int64_t* const u_end = u_idx + n;
-        for (int64_t i = 0; i < numel; i += stride) {
-            u = std::lower_bound(u, u_end, i);
-            const float add = u != u_end && *u == i ? u_val[u - u_idx] : 0.0f;
-            sample.push_back(magnitude(residual[i] + add));
-        }
-        std::sort(sample.begin(), sample.end(), std::greater<uint32_t>());
+    const int64_t blocks = (numel + kBoundBlock - 1) / kBoundBlock;
+    Scratch& w = scratch();
+    if (bounds == nullptr) {
+        bounds = w.own.ensure(blocks);
+        block_bounds(residual, numel, bounds);
     }
-    // The sample's entry of rank k / stride with a margin; 4 times further at each miss.
-    const double expected = double(k) * double(sample.size()) / double(numel);
-    size_t rank = size_t(expected + 4.0 * std::sqrt(expected) + 16.0);
-    // The lowest threshold but one keeps every non-zero entry (magnitude >= 1); 0 keeps all.
-    auto threshold = [&]() { return rank < sample.size() ? std::max(sample[rank], 1u) : 1u; };
-    uint32_t t = threshold();
-    std::vector<float> old(size_t(n > 0 ? n : 1));  // the residual where the sum is added
-    std::vector<int64_t> cand;
-    std::vector<uint32_t> mags;  // |s| of each candidate
+    // The pairs' old residual (to restore), s and |s|. The residual is read where the
+    // pairs land, ahead of use: it rarely is in cache.
+    float* const old = w.old.ensure(n);
+    float* const sum = w.sum.ensure(n);
+    uint32_t* const mag = w.mag.ensure(n);
     uint32_t worst = 0;
-    bool added = false;
-    for (;;) {
-        cand.clear();
-        mags.clear();
-        cand.reserve(size_t(k > 0 ? 2 * k : 1));
-        mags.reserve(size_t(k > 0 ? 2 * k : 1));
-        int64_t i = 0, j = 0;
-        auto add_below = [&](int64_t end) {  // the sum's pairs below `end`, first pass only
-            for (; !added && j < n && u_idx[j] < end; ++j) {
-                old[j] = residual[u_idx[j]];
-                residual[u_idx[j]] = old[j] + u_val[j];
-            }
-        };
-#if defined(__AVX2__)
-        // 64 entries at a time: their magnitudes' maximum and a mask of those >= t.
-        const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF);
-        const __m256i below = _mm256_set1_epi32(int(t) - 1);  // m >= t iff m > t - 1
-        __m256i most = _mm256_setzero_si256();
-        for (; i + 64 <= numel; i += 64) {
-            add_below(i + 64);
-            uint64_t hits = 0;
-            for (int l = 0; l < 64; l += 8) {
-                const __m256i m = _mm256_and_si256(
-                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(residual + i + l)),
-                    abs_mask);
-                most = _mm256_max_epu32(most, m);
-                const int bits = _mm256_movemask_ps(
-                    _mm256_castsi256_ps(_mm256_cmpgt_epi32(m, below)));
-                hits |= uint64_t(unsigned(bits)) << l;
-            }
-            for (; hits; hits &= hits - 1) {
-                const int64_t at = i + __builtin_ctzll(hits);
-                cand.push_back(at);
-                mags.push_back(magnitude(residual[at]));
-            }
-        }
-        alignas(32) uint32_t lanes[8];
-        _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), most);
-        for (uint32_t m : lanes) worst = m > worst ? m : worst;
+    for (int64_t j = 0; j < n; ++j) {
+        if (j + kAhead < n) __builtin_prefetch(residual + u_idx[j + kAhead], 1);
+        float* const r = residual + u_idx[j];
+        old[j] = *r;
+        *r = sum[j] = old[j] + u_val[j];
+        mag[j] = magnitude(sum[j]);
+        worst = std::max(worst, mag[j]);
+    }
+    auto restore = [&]() {
+        for (int64_t j = n - 1; j >= 0; --j) residual[u_idx[j]] = old[j];
+    };
+    if (worst >= kNonFinite) {
+        restore();
+        return -2;
+    }
+    uint32_t t0 = 0;
+    if (k > 0 && n >= k) t0 = kth_largest(n, mag, k, w.hist) & ~uint32_t(0xFFFF);
+    // The blocks to read (their bound reaches t0), then the candidates in index order:
+    // the pairs with |s| >= t0 outside those blocks, and those blocks' entries >= t0.
+    std::vector<int64_t>& read = w.read;
+    read.clear();
+    int64_t b = 0;
+    if (k > 0) {
+#if defined(__AVX512F__)
+        const __m512i low = _mm512_set1_epi32(int(t0));
+        for (; b + 16 <= blocks; b += 16)
+            for (uint32_t hit = _mm512_cmpge_epu32_mask(_mm512_loadu_si512(bounds + b), low);
+                 hit; hit &= hit - 1)
+                read.push_back(b + __builtin_ctz(hit));
 #endif
-        add_below(numel);
-        for (; i < numel; ++i) {
-            const uint32_t m = magnitude(residual[i]);
-            worst = m > worst ? m : worst;
-            if (m >= t) {
-                cand.push_back(i);
-                mags.push_back(m);
-            }
+        for (; b < blocks; ++b)
+            if (bounds[b] >= t0) read.push_back(b);
+    }
+    Candidate* const cand = w.cand.ensure(k > 0 ? n + int64_t(read.size()) * kBoundBlock : 0);
+    int64_t count = 0, j = 0;
+    auto pairs_below = [&](int64_t end) {  // written always, kept when >= t0: no branch
+        for (; j < n && u_idx[j] < end; ++j) {
+            cand[count] = {u_idx[j], sum[j], mag[j]};
+            count += mag[j] >= t0;
         }
-        added = true;
-        if (worst >= kNonFinite) {
-            for (int64_t r = n - 1; r >= 0; --r) residual[u_idx[r]] = old[r];
+    };
+    for (int64_t r : read) {
+        const int64_t lo = r * kBoundBlock, hi = std::min(lo + kBoundBlock, numel);
+        pairs_below(lo);
+        while (j < n && u_idx[j] < hi) ++j;
+        uint32_t most = 0;
+        for (int64_t i = lo; i < hi; ++i) {
+            const uint32_t m = magnitude(residual[i]);
+            most = std::max(most, m);
+            cand[count] = {i, residual[i], m};
+            count += m >= t0;
+        }
+        if (most >= kNonFinite) {
+            restore();
             return -2;
         }
-        if (int64_t(cand.size()) >= k || t == 0) break;
-        // The sample missed (structured data, or few non-zero entries): a lower threshold,
-        // down to 1 (every non-zero entry), then 0.
-        rank *= 4;
-        t = t == 1 ? 0 : std::min(threshold(), t - 1);
     }
-    if (k <= 0) return 0;
-    std::vector<uint32_t> order(mags);
-    std::nth_element(order.begin(), order.begin() + (k - 1), order.end(),
-                     std::greater<uint32_t>());
-    const uint32_t kth = order[size_t(k - 1)];
-    int64_t above = 0;
-    for (uint32_t m : mags) above += m > kth;
-    int64_t ties = k - above, written = 0;  // entries equal to the k-th to take
-    for (size_t c = 0; c < cand.size(); ++c) {
-        if (mags[c] < kth) continue;
-        if (mags[c] == kth) {
-            if (!ties) continue;
-            --ties;
+    if (k > 0) pairs_below(INT64_MAX);
+    int64_t written = 0;
+    if (k > 0) {  // count >= k (see above)
+        const uint32_t kth = kth_largest(count, Magnitudes{cand}, k, w.hist);
+        int64_t above = 0;
+        for (int64_t c = 0; c < count; ++c) above += cand[c].mag > kth;
+        int64_t ties = k - above;  // entries equal to the k-th to take
+        j = 0;
+        for (int64_t c = 0; c < count; ++c) {
+            if (c + kAhead < count) __builtin_prefetch(residual + cand[c + kAhead].at, 1);
+            if (cand[c].mag < kth) continue;
+            if (cand[c].mag == kth) {
+                if (!ties) continue;
+                --ties;
+            }
+            const int64_t at = cand[c].at;
+            out_idx[written] = at;
+            out_val[written++] = cand[c].value;
+            residual[at] = 0.0f;
+            while (j < n && u_idx[j] < at) ++j;
+            if (j < n && u_idx[j] == at) mag[j] = 0;  // the pair's new |residual|
         }
-        const int64_t at = cand[c];
-        out_idx[written] = at;
-        out_val[written++] = residual[at];
-        residual[at] = 0.0f;
+    }
+    for (j = 0; j < n; ++j) {
+        uint32_t& bound = bounds[u_idx[j] / kBoundBlock];
+        bound = std::max(bound, mag[j]);
+    }
+    for (int64_t r : read) {
+        const int64_t lo = r * kBoundBlock;
+        block_bounds(residual + lo, std::min(kBoundBlock, numel - lo), bounds + r);
     }
     return written;
 }
 
+// hvdc_topk_bounded with bounds computed by a pass over the residual (a caller that keeps
+// none between rounds).
+int64_t hvdc_topk(float* residual, int64_t numel, const int64_t* u_idx, const float* u_val,
+                  int64_t n, int64_t k, int64_t* out_idx, float* out_val) {
+    return hvdc_topk_bounded(residual, numel, nullptr, u_idx, u_val, n, k, out_idx, out_val);
+}
 
 // Error codes of hvdc_varint_decode (sparse_wire.py turns them into messages).
 enum : int64_t {
@@ -390,15 +478,25 @@ int64_t hvdc_merge_sum(int64_t lists, const int64_t* const* idx, const float* co
 // pairs), then, with a `residual` (mode topk, numel floats), hvdc_topk of that sum into
 // agg_idx and agg_val. Returns the aggregate's pair count (the union's without a
 // residual), -1 if a list's indices decrease, -2 if s = residual + sum is not finite
-// (the residual is then unchanged).
+// (the residual is then unchanged). `bounds`: hvdc_topk_bounded's.
+int64_t hvdc_round_bounded(int64_t lists, const int64_t* const* idx, const float* const* val,
+                           const int64_t* counts, int64_t* out_idx, float* out_val,
+                           int64_t* union_count, float* residual, uint32_t* bounds,
+                           int64_t numel, int64_t k, int64_t* agg_idx, float* agg_val) {
+    const int64_t n = merge_lists(lists, idx, val, counts, out_idx, out_val);
+    *union_count = n;
+    if (n < 0 || residual == nullptr) return n;
+    return hvdc_topk_bounded(residual, numel, bounds, out_idx, out_val, n, k, agg_idx,
+                             agg_val);
+}
+
+// hvdc_round_bounded without bounds kept between rounds (see hvdc_topk).
 int64_t hvdc_round(int64_t lists, const int64_t* const* idx, const float* const* val,
                    const int64_t* counts, int64_t* out_idx, float* out_val,
                    int64_t* union_count, float* residual, int64_t numel, int64_t k,
                    int64_t* agg_idx, float* agg_val) {
-    const int64_t n = merge_lists(lists, idx, val, counts, out_idx, out_val);
-    *union_count = n;
-    if (n < 0 || residual == nullptr) return n;
-    return hvdc_topk(residual, numel, out_idx, out_val, n, k, agg_idx, agg_val);
+    return hvdc_round_bounded(lists, idx, val, counts, out_idx, out_val, union_count,
+                              residual, nullptr, numel, k, agg_idx, agg_val);
 }
 
 }  // extern "C"
