@@ -7,7 +7,9 @@ every rank), wraps its optimizer for the configuration and trains the task's ste
 own batches (drawn from a generator seeded by the seed and the rank, so every
 configuration sees the same batches). Every ``eval_every`` steps, and after the last, the
 ranks evaluate the held-out set together (each its share, summed by an all-reduce). Rank 0
-writes one row per configuration and a progress line per evaluation.
+writes one row per configuration and a progress line per evaluation. A configuration
+with a ``ps`` address (a server :mod:`hvd_compress.bench.converge` started for it) sends
+its sparse pairs to that server (``DistributedOptimizer(..., ps=...)``).
 
 Tasks:
 
