@@ -404,28 +404,26 @@ void decode(const C& codec, const uint8_t* payload, int64_t n, int64_t bucket, i
 // IEEE operation per element in a fixed order, with no fused multiply-add (-ffp-contract=
 // off), whichever vector width the compiler chose.
 
-// encode, and x <- x - decode(encode(x)) in the same pass over each tile (x is both the
-// input and the residual output; the decoded tensor is never written).
+// Encode elements [e0, e0 + count) of x (one tile, codes its scratch) into out, and
+// overwrite them with x - decode(encode(x)) in the same pass (the decoded values are never
+// written).
 template <class C>
-void encode_residual(const C& codec, float* x, int64_t n, int64_t bucket, int bits,
-                     uint8_t* out, int threads) {
-  const Layout layout{bits, n};
+void encode_residual_tile(const C& codec, const Layout& layout, float* x, int64_t bucket,
+                          uint8_t* out, uint8_t* codes, int64_t e0, int64_t count,
+                          int64_t padded) {
   uint8_t* scales = out + layout.nbytes();
   const int a = decode_a(codec), b = decode_b(codec);
-  for_each_tile(layout, bucket, threads, [&](uint8_t* codes, int64_t e0, int64_t count,
-                                             int64_t padded) {
-    for (int64_t b0 = e0; b0 < e0 + count; b0 += bucket) {
-      const int64_t len = std::min(bucket, n - b0);
-      uint8_t* __restrict c = codes + (b0 - e0);
-      const float stored = codec.encode_bucket(x + b0, len, b0 / bucket, c);
-      std::memcpy(scales + 4 * (b0 / bucket), &stored, 4);
-      const float scale = codec.decode_scale(stored);
-      float* __restrict v = x + b0;
-      for (int64_t i = 0; i < len; ++i) v[i] = v[i] - decoded(a, b, c[i], scale);
-    }
-    std::memset(codes + count, 0, padded - count);
-    layout.pack(codes, e0, padded, out);
-  });
+  for (int64_t b0 = e0; b0 < e0 + count; b0 += bucket) {
+    const int64_t len = std::min(bucket, layout.n - b0);
+    uint8_t* __restrict c = codes + (b0 - e0);
+    const float stored = codec.encode_bucket(x + b0, len, b0 / bucket, c);
+    std::memcpy(scales + 4 * (b0 / bucket), &stored, 4);
+    const float scale = codec.decode_scale(stored);
+    float* __restrict v = x + b0;
+    for (int64_t i = 0; i < len; ++i) v[i] = v[i] - decoded(a, b, c[i], scale);
+  }
+  std::memset(codes + count, 0, padded - count);
+  layout.pack(codes, e0, padded, out);
 }
 
 // x <- x - decode(payload), in place: error feedback's residual from the payload sent.
@@ -437,10 +435,14 @@ void subtract(const C& codec, const uint8_t* payload, int64_t n, int64_t bucket,
 }
 
 // out = ((decode(p_0) + decode(p_1)) + ... + decode(p_{count-1})) [+ residual]: the sum of
-// the payloads in the order given (then the residual, if not null), one pass per tile.
+// the payloads in the order given (then the residual, if not null). With encoded not null,
+// the sum is then encoded into it and out becomes sum - decode(encoded), the reducing
+// rank's new residual: the step of the compressed all-reduce, one pass per tile (a tile is
+// summed, encoded and corrected while it is in cache).
 template <class C>
 void reduce(const C& codec, const uint8_t* const* payloads, int64_t count, int64_t n,
-            int64_t bucket, int bits, float* out, const float* residual, int threads) {
+            int64_t bucket, int bits, float* out, const float* residual, uint8_t* encoded,
+            int threads) {
   const Layout layout{bits, n};
   const int a = decode_a(codec), b = decode_b(codec);
   for_each_tile(layout, bucket, threads, [&](uint8_t* codes, int64_t e0, int64_t tile,
@@ -461,6 +463,8 @@ void reduce(const C& codec, const uint8_t* const* payloads, int64_t count, int64
       const float* __restrict r = residual + e0;
       for (int64_t i = 0; i < tile; ++i) o[i] = o[i] + r[i];
     }
+    if (encoded != nullptr)
+      encode_residual_tile(codec, layout, out, bucket, encoded, codes, e0, tile, padded);
   });
 }
 
@@ -500,16 +504,10 @@ void hvdc_terngrad_decode(const uint8_t* payload, int64_t n, int64_t bucket, flo
   decode(TernGrad{0.0, Key{0}}, payload, n, bucket, 0, out, threads);
 }
 
-// The fused error-feedback kernels (see encode_residual, subtract and reduce above). The
-// encode_residual kernels take encode's arguments, x both read and overwritten with the
-// residual; subtract takes decode's, x in place of its output; reduce takes an array of
-// ``count`` payload pointers as its input, then (count, residual or null) before decode's
-// options.
-
-void hvdc_onebit_encode_residual(float* x, int64_t n, int64_t bucket, uint8_t* out,
-                                 int threads) {
-  encode_residual(OneBit{}, x, n, bucket, 1, out, threads);
-}
+// The fused error-feedback kernels (see subtract and reduce above): subtract takes
+// decode's arguments, x in place of its output; reduce takes an array of ``count`` payload
+// pointers as its input, then (count, residual or null, encoded or null) and encode's
+// options (the codec that decodes the payloads also encodes the sum).
 
 void hvdc_onebit_subtract(const uint8_t* payload, int64_t n, int64_t bucket, float* x,
                           int threads) {
@@ -517,14 +515,8 @@ void hvdc_onebit_subtract(const uint8_t* payload, int64_t n, int64_t bucket, flo
 }
 
 void hvdc_onebit_reduce(const uint8_t* const* payloads, int64_t n, int64_t bucket, float* out,
-                        int threads, int64_t count, const float* residual) {
-  reduce(OneBit{}, payloads, count, n, bucket, 1, out, residual, threads);
-}
-
-void hvdc_qsgd_encode_residual(float* x, int64_t n, int64_t bucket, uint8_t* out, int threads,
-                               int bits, int l2, uint64_t seed) {
-  encode_residual(Qsgd{(1 << (bits - 1)) - 1, l2 != 0, Key{seed}}, x, n, bucket, bits, out,
-                  threads);
+                        int threads, int64_t count, const float* residual, uint8_t* encoded) {
+  reduce(OneBit{}, payloads, count, n, bucket, 1, out, residual, encoded, threads);
 }
 
 void hvdc_qsgd_subtract(const uint8_t* payload, int64_t n, int64_t bucket, float* x,
@@ -533,14 +525,10 @@ void hvdc_qsgd_subtract(const uint8_t* payload, int64_t n, int64_t bucket, float
 }
 
 void hvdc_qsgd_reduce(const uint8_t* const* payloads, int64_t n, int64_t bucket, float* out,
-                      int threads, int64_t count, const float* residual, int bits) {
-  reduce(Qsgd{(1 << (bits - 1)) - 1, false, Key{0}}, payloads, count, n, bucket, bits, out,
-         residual, threads);
-}
-
-void hvdc_terngrad_encode_residual(float* x, int64_t n, int64_t bucket, uint8_t* out,
-                                   int threads, double clip, uint64_t seed) {
-  encode_residual(TernGrad{clip, Key{seed}}, x, n, bucket, 0, out, threads);
+                      int threads, int64_t count, const float* residual, uint8_t* encoded,
+                      int bits, int l2, uint64_t seed) {
+  reduce(Qsgd{(1 << (bits - 1)) - 1, l2 != 0, Key{seed}}, payloads, count, n, bucket, bits,
+         out, residual, encoded, threads);
 }
 
 void hvdc_terngrad_subtract(const uint8_t* payload, int64_t n, int64_t bucket, float* x,
@@ -549,8 +537,10 @@ void hvdc_terngrad_subtract(const uint8_t* payload, int64_t n, int64_t bucket, f
 }
 
 void hvdc_terngrad_reduce(const uint8_t* const* payloads, int64_t n, int64_t bucket,
-                          float* out, int threads, int64_t count, const float* residual) {
-  reduce(TernGrad{0.0, Key{0}}, payloads, count, n, bucket, 0, out, residual, threads);
+                          float* out, int threads, int64_t count, const float* residual,
+                          uint8_t* encoded, double clip, uint64_t seed) {
+  reduce(TernGrad{clip, Key{seed}}, payloads, count, n, bucket, 0, out, residual, encoded,
+         threads);
 }
 
 }  // extern "C"

@@ -52,15 +52,15 @@ _SIGNATURES: dict[str, tuple] = {
     "onebit_encode": (), "onebit_decode": (),
     "qsgd_encode": (ctypes.c_int, ctypes.c_int, ctypes.c_uint64), "qsgd_decode": (ctypes.c_int,),
     "terngrad_encode": (ctypes.c_double, ctypes.c_uint64), "terngrad_decode": (),
-    "onebit_encode_residual": (), "onebit_subtract": (), "onebit_reduce": (_c_int64, _c_ptr),
-    "qsgd_encode_residual": (ctypes.c_int, ctypes.c_int, ctypes.c_uint64),
-    "qsgd_subtract": (ctypes.c_int,), "qsgd_reduce": (_c_int64, _c_ptr, ctypes.c_int),
-    "terngrad_encode_residual": (ctypes.c_double, ctypes.c_uint64), "terngrad_subtract": (),
-    "terngrad_reduce": (_c_int64, _c_ptr),
+    "onebit_subtract": (), "onebit_reduce": (_c_int64, _c_ptr, _c_ptr),
+    "qsgd_subtract": (ctypes.c_int,),
+    "qsgd_reduce": (_c_int64, _c_ptr, _c_ptr, ctypes.c_int, ctypes.c_int, ctypes.c_uint64),
+    "terngrad_subtract": (), "terngrad_reduce": (_c_int64, _c_ptr, _c_ptr, ctypes.c_double,
+                                                 ctypes.c_uint64),
 }
 """Each codec kernel's options after the common (input, count, bucket size, output,
-threads). The fused error-feedback kernels: ``encode_residual`` takes encode's, ``subtract``
-decode's, ``reduce`` (payload count, residual) then decode's."""
+threads). The fused error-feedback kernels: ``subtract`` takes decode's, ``reduce`` (payload
+count, residual, encoded) then encode's."""
 
 _SPARSE_SIGNATURES: dict[str, tuple] = {
     "varint_decode": (_c_ptr, _c_int64, _c_int64, _c_int64, _c_ptr),

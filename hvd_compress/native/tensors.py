@@ -11,6 +11,7 @@ on threads encode in parallel. Payloads and decoded values are written into
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 
 import torch
 
@@ -53,17 +54,6 @@ def decode(kernel: str, payload: torch.Tensor, numel: int, bucket_size: int,
     return out
 
 
-def encode_residual(kernel: str, x: torch.Tensor, bucket_size: int, out: torch.Tensor,
-                    *options: int | float) -> torch.Tensor:
-    """Run ``hvdc_<kernel>_encode_residual``: encode the contiguous float32 CPU tensor ``x``
-    into ``out`` (contiguous uint8, the payload's size) and, in the same pass, overwrite
-    ``x`` with ``x - decode(payload)``, bit for bit what decoding and subtracting give.
-    Returns ``x``."""
-    fn = getattr(library(), f"hvdc_{kernel}_encode_residual")
-    fn(x.data_ptr(), x.numel(), bucket_size, out.data_ptr(), torch.get_num_threads(), *options)
-    return x
-
-
 def subtract(kernel: str, payload: torch.Tensor, x: torch.Tensor, bucket_size: int,
              *options: int) -> torch.Tensor:
     """Run ``hvdc_<kernel>_subtract``: ``x -= decode(payload)`` in place, for a contiguous
@@ -76,17 +66,22 @@ def subtract(kernel: str, payload: torch.Tensor, x: torch.Tensor, bucket_size: i
     return x
 
 
-def reduce(kernel: str, payloads: list[torch.Tensor], numel: int, bucket_size: int,
-           residual: torch.Tensor | None, *options: int) -> torch.Tensor:
+def reduce(kernel: str, payloads: Sequence[torch.Tensor], numel: int, bucket_size: int,
+           residual: torch.Tensor | None, encoded: torch.Tensor | None,
+           *options: int | float) -> torch.Tensor:
     """Run ``hvdc_<kernel>_reduce``: the float32 sum of the decodings of ``payloads``
     (checked CPU payloads of ``numel`` elements each), added in the order given, then
-    ``residual`` (a contiguous float32 tensor of ``numel``) if given, in one pass into
-    :func:`~hvd_compress.native.buffers.empty` memory: bit for bit ``decode(p0) +
-    decode(p1) + ... + residual`` in float32."""
-    payloads = [p.contiguous() for p in payloads]
+    ``residual`` (a contiguous float32 tensor of ``numel``) if given: bit for bit
+    ``decode(p0) + decode(p1) + ... + residual`` in float32, into
+    :func:`~hvd_compress.native.buffers.empty` memory. With ``encoded`` (contiguous uint8,
+    the payload's size), the same pass encodes the sum into it with encode's ``options``
+    (drawn as encode draws them) and returns ``sum - decode(encoded)`` instead, bit for bit
+    what decoding and subtracting give."""
+    payloads = [p.contiguous() for p in payloads]  # alive until the kernel returns
     pointers = (ctypes.c_void_p * len(payloads))(*(p.data_ptr() for p in payloads))
     out = empty(numel, torch.float32)
     fn = getattr(library(), f"hvdc_{kernel}_reduce")
     fn(ctypes.addressof(pointers), numel, bucket_size, out.data_ptr(), torch.get_num_threads(),
-       len(payloads), None if residual is None else residual.data_ptr(), *options)
+       len(payloads), None if residual is None else residual.data_ptr(),
+       None if encoded is None else encoded.data_ptr(), *options)
     return out

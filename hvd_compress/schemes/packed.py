@@ -27,8 +27,8 @@ TernGrad) takes a fused path with the same results bit for bit: the chunks are e
 one payload buffer; this rank's contribution is kept as those payloads
 (:class:`PackedContribution`), which error feedback subtracts from ``g + e`` in one pass
 without writing the decoded tensor; step 2's decodings, sum and residual are one pass
-(``hvdc_<kernel>_reduce``) and its re-encoding computes the new rank-side residual in the
-same pass (``hvdc_<kernel>_encode_residual``); step 3 decodes straight into the aggregate.
+with its re-encoding and the new rank-side residual (``hvdc_<kernel>_reduce``); step 3
+decodes straight into the aggregate.
 """
 
 from __future__ import annotations
@@ -201,7 +201,7 @@ class PackedContribution:
 
     def materialize(self) -> torch.Tensor:
         out = buffers.empty(self.shape.numel(), torch.float32)
-        for p, part in zip(self.payloads, torch.split(out, list(self.sizes))):
+        for p, part in zip(self.payloads, _parts(out, self.sizes)):
             if part.numel():
                 kernels.decode(self.kernel, p, part.numel(), self.codec.bucket_size,
                                *self.codec.decode_options(), out=part)
@@ -217,8 +217,7 @@ class PackedContribution:
         """``x -= self`` in place (``x`` of :attr:`shape`); returns ``x``."""
         if not (x.dtype == torch.float32 and x.is_contiguous() and kernels.active(x)):
             return x.sub_(self.materialize().view_as(x))
-        flat = x.view(-1)
-        for p, part in zip(self.payloads, torch.split(flat, list(self.sizes))):
+        for p, part in zip(self.payloads, _parts(x.view(-1), self.sizes)):
             if part.numel():
                 kernels.subtract(self.kernel, p, part, self.codec.bucket_size,
                                  *self.codec.decode_options())
@@ -232,19 +231,26 @@ def _checked(codec: PackedScheme, payloads: Sequence[torch.Tensor], numel: int) 
     return all(p.numel() == nbytes and p.dtype == torch.uint8 for p in payloads)
 
 
+def _parts(t: torch.Tensor, sizes: Sequence[int]) -> Sequence[torch.Tensor]:
+    """``t`` split into consecutive parts of ``sizes`` (itself when there is one part)."""
+    return (t,) if len(sizes) == 1 else t.split_with_sizes(list(sizes))
+
+
 def fused_allreduce(codec: PackedScheme, kernel: str, x: torch.Tensor,
                     state: Mapping[str, torch.Tensor], ctx: ExchangeContext) -> Exchange:
     """:func:`compressed_allreduce` on the CPU through ``kernel``'s native passes (module
     docstring): the same rounds, payloads, aggregate, contribution and residual, bit for
-    bit, and the same draws from the same generators."""
+    bit, and the same draws from the same generators (none for a codec whose
+    :meth:`~PackedScheme.encode_options` draws none)."""
     flat = x.reshape(-1).to(torch.float32).contiguous()
     bucket = codec.bucket_size
     sizes = chunk_sizes(flat.numel(), ctx.size, bucket)
     payload_sizes = tuple(codec.chunk_bytes(n) for n in sizes)
-    gen = ctx.generator("encode", x.device)
+    draws = type(codec).encode_options is not PackedScheme.encode_options
+    gen = ctx.generator("encode", x.device) if draws else None
     payload = buffers.empty(sum(payload_sizes), torch.uint8)
-    parts = torch.split(payload, payload_sizes)
-    for chunk, part in zip(torch.split(flat, sizes), parts):
+    parts = _parts(payload, payload_sizes)
+    for chunk, part in zip(_parts(flat, sizes), parts):
         options = codec.encode_options(gen)  # drawn for every chunk, as encode does
         if chunk.numel():
             kernels.encode(kernel, chunk, bucket, part.numel(), *options, out=part)
@@ -256,29 +262,27 @@ def fused_allreduce(codec: PackedScheme, kernel: str, x: torch.Tensor,
     residual = state.get(CHUNK_RESIDUAL) if codec.error_feedback else None
     if residual is not None and residual.numel() != mine:
         residual = None
+    reencoded = buffers.empty(payload_sizes[ctx.rank], torch.uint8)
+    options = codec.encode_options(ctx.generator("reencode", x.device) if draws else None)
     if mine and type(codec).reduce is PackedScheme.reduce and _checked(codec, received, mine):
         if residual is not None:
             residual = residual.reshape(-1).to(torch.float32).contiguous()
-        chunk_sum = kernels.reduce(kernel, list(received), mine, bucket, residual,
-                                   *codec.decode_options())
+        # The sum, the residual, the re-encoding and the new residual in one pass.
+        chunk_sum = kernels.reduce(kernel, received, mine, bucket, residual, reencoded,
+                                   *options)
     else:
         chunk_sum = codec.reduce(received, mine)
         if residual is not None:
             chunk_sum += residual
-
-    new_state: dict[str, torch.Tensor] = {}
-    reencoded = buffers.empty(payload_sizes[ctx.rank], torch.uint8)
-    options = codec.encode_options(ctx.generator("reencode", x.device))
-    if codec.error_feedback:
         if mine:
-            kernels.encode_residual(kernel, chunk_sum, bucket, reencoded, *options)
-        new_state[CHUNK_RESIDUAL] = chunk_sum
-    elif mine:
-        kernels.encode(kernel, chunk_sum, bucket, reencoded.numel(), *options, out=reencoded)
+            kernels.encode(kernel, chunk_sum, bucket, reencoded.numel(), *options,
+                           out=reencoded)
+            chunk_sum -= codec.decode(reencoded, mine)
+    new_state = {CHUNK_RESIDUAL: chunk_sum} if codec.error_feedback else {}
 
     gathered = yield AllGather("gather", reencoded, payload_sizes)
     aggregate = buffers.empty(flat.numel(), torch.float32)
-    for p, part in zip(gathered, torch.split(aggregate, sizes)):
+    for p, part in zip(gathered, _parts(aggregate, sizes)):
         n = part.numel()
         if not n:
             continue
