@@ -18,10 +18,19 @@ Which piece each local rank carries (:func:`split_of`):
   tensor of at least ``L`` rows is cut into ``L`` row blocks, local rank ``l`` carrying
   block ``l``, so all ``L`` links and codecs of a host work at once, as in Horovod's
   hierarchical all-reduce. Tensors with fewer rows go whole, to one local rank.
-* ``"tensors"`` (PowerSGD, whose low-rank factorization needs whole matrices, and any scheme
-  not known to be sliceable): every tensor goes whole to one local rank, tensors assigned
+* ``"tensors"`` (any scheme not known to be sliceable, such as PowerSGD with ``split=
+  "tensors"`` given): every tensor goes whole to one local rank, tensors assigned
   largest first to the least loaded local rank (a leader per tensor; a job with one big
   matrix has one busy link).
+
+A scheme whose every round is an all-reduce of something linear in the gradient
+(:attr:`~hvd_compress.schemes.base.Scheme.linear_rounds`: PowerSGD, whose ``P = sum_i M_i
+Q``) skips the dense sum: :class:`RoundsPipeline` runs the flat algorithm, each round's
+all-reduce done in two levels (in-host reduce-scatter of the factors, cross-host all-reduce
+of this local rank's slice, in-host all-gather:
+:class:`~hvd_compress.comm.two_level.HostTwoLevelCommunicator`), so only the factors cross
+the host's loopback and every host link carries ``1/L`` of them (split ``"rounds"``;
+:func:`two_level_pipeline` chooses).
 
 The scheme, its error feedback and its state live with the local rank that compresses the
 piece (its residual is that of the host sum's piece); the routes (compress or send dense)
@@ -49,6 +58,8 @@ import torch
 from hvd_compress.comm.base import Communicator
 from hvd_compress.comm.ops import AllGather, AllReduce, AllToAll
 from hvd_compress.comm.threads import ThreadGroup
+from hvd_compress.comm.two_level import HOST_ROUND as TWO_LEVEL_HOST_ROUND
+from hvd_compress.comm.two_level import HostTwoLevelCommunicator
 from hvd_compress.errors import NonFiniteGradientError
 from hvd_compress.fusion import assign_buckets
 from hvd_compress.pipeline import DEFAULT_BUCKET_BYTES, DEFAULT_REPORT_EVERY, Pipeline
@@ -63,8 +74,9 @@ RANKS_PER_HOST_ENV = "HVD_COMPRESS_RANKS_PER_HOST"
 """Set to ``k``: ranks ``0..k-1`` form host 0, ``k..2k-1`` host 1, and so on, instead of
 Horovod's hosts (for emulated clusters and tests on one machine)."""
 
-HOST_ROUND = "host"
-"""The round name of the dense sum and the all-gather inside a host (``collective_bytes``)."""
+HOST_ROUND = TWO_LEVEL_HOST_ROUND
+"""The round name of the dense sum and the all-gather inside a host (``collective_bytes``),
+and of the in-host rounds of :class:`~hvd_compress.comm.two_level.HostTwoLevelCommunicator`."""
 
 
 def split_of(scheme: Scheme) -> str:
@@ -224,20 +236,106 @@ def check_hierarchy(hierarchy: str | None, scheme: Any, *, collectives: str = "h
 def horovod_pipeline(hvd: Any, scheme: Scheme, policy: Policy | None, ps: str | None,
                      session: str | None, connect_timeout: float | None,
                      communicator: Callable[[Any], Communicator] | None = None,
-                     **options: Any) -> HierarchicalPipeline:
+                     **options: Any) -> HierarchicalPipeline | RoundsPipeline:
     """The two-level pipeline of Horovod's global ranks (:func:`horovod_host_communicators`,
-    with the binding's ``hvd`` and ``communicator``); with ``ps``, the sparse pairs of local
-    rank ``l``'s pieces go to the servers as worker ``host`` of a job of ``H`` workers, in
-    session ``<session>.l<l>`` (one push per host and piece). ``options``:
-    :class:`HierarchicalPipeline`'s."""
+    with the binding's ``hvd`` and ``communicator``): :func:`two_level_pipeline`'s choice.
+    With ``ps``, the sparse pairs of local rank ``l``'s pieces go to the servers as worker
+    ``host`` of a job of ``H`` workers, in session ``<session>.l<l>`` (one push per host and
+    piece); a scheme with ``linear_rounds`` sends none, and connects to no server.
+    ``options``: :class:`HierarchicalPipeline`'s."""
     from hvd_compress.comm.parameter_server import ParameterServerCommunicator, connect
 
     layout, local, cross = horovod_host_communicators(hvd, communicator)
+    if scheme.linear_rounds:  # all-reduces only: no sparse pairs for a server
+        return RoundsPipeline(scheme, local, cross, policy, **options)
     if ps:
         cross = ParameterServerCommunicator(
             cross, connect(ps, cross.rank, workers=cross.size, connect_timeout=connect_timeout),
             f"{session}.l{layout.local_rank}")
     return HierarchicalPipeline(scheme, local, cross, policy, **options)
+
+
+def two_level_pipeline(scheme: Scheme, local: Communicator, cross: Communicator,
+                       policy: Policy | None = None, **options: Any
+                       ) -> HierarchicalPipeline | RoundsPipeline:
+    """The two-level pipeline of a scheme: :class:`RoundsPipeline` when its
+    :attr:`~hvd_compress.schemes.base.Scheme.linear_rounds` (PowerSGD), else
+    :class:`HierarchicalPipeline` (a dense sum inside the host, the scheme across hosts).
+    ``options``: theirs (``split`` for :class:`HierarchicalPipeline` only)."""
+    if scheme.linear_rounds and "split" not in options:
+        return RoundsPipeline(scheme, local, cross, policy, **options)
+    return HierarchicalPipeline(scheme, local, cross, policy, **options)
+
+
+class RoundsPipeline(Pipeline):
+    """The flat :class:`~hvd_compress.pipeline.Pipeline` of a scheme whose every round is an
+    all-reduce of something linear in the gradient (``linear_rounds``: PowerSGD), over
+    :class:`~hvd_compress.comm.two_level.HostTwoLevelCommunicator`: each round is summed
+    inside the host (a reduce-scatter of the factors), across hosts (this local rank's
+    slice) and all-gathered inside the host. The same algorithm as the flat route (the
+    sums in another order), error feedback and scheme state per rank as there; only the
+    factors, never the dense gradients, cross the host's loopback.
+
+    Args:
+        scheme: the scheme (``linear_rounds``).
+        local, cross: as :class:`HierarchicalPipeline`'s.
+        policy, options: :class:`~hvd_compress.pipeline.Pipeline`'s (``average`` divides by
+            ``local.size * cross.size``).
+
+    ``last_step.collective_bytes["host"]`` counts the bytes handed to in-host collectives;
+    each round's own count (``"P"``, ``"Q"``, ``"dense"``) is the whole tensor, as flat.
+    """
+
+    comm: HostTwoLevelCommunicator
+
+    def __init__(self, scheme: Scheme, local: Communicator, cross: Communicator,
+                 policy: Policy | None = None, **options: Any) -> None:
+        check_hierarchy("host", scheme)
+        if not scheme.linear_rounds:
+            raise ValueError(f"{scheme.describe()} has rounds other than linear all-reduces; "
+                             "use HierarchicalPipeline (two_level_pipeline chooses)")
+        super().__init__(scheme, HostTwoLevelCommunicator(local, cross), policy, **options)
+        self.local, self.cross = local, cross
+        self.split = "rounds"
+
+    def wait(self, into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """As :meth:`Pipeline.wait`, adding the step's in-host bytes to its statistics."""
+        try:
+            out = super().wait(into)
+        finally:
+            host = self.comm.take_host_bytes()
+        self.last_step.collective_bytes[HOST_ROUND] += host
+        self.total.collective_bytes[HOST_ROUND] += host
+        return out
+
+    def layout(self) -> dict[str, Any]:
+        return layout_of(self.local, self.cross, self.split)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The flat pipeline's state (this rank's residuals and scheme state) and the
+        layout it holds for."""
+        return {**super().state_dict(), "hierarchy": self.layout()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(check_layout(state, self.layout()))
+
+
+def layout_of(local: Communicator, cross: Communicator, split: str) -> dict[str, Any]:
+    """What a two-level state holds for: hosts, ranks per host, local rank, split."""
+    return {"hosts": cross.size, "ranks_per_host": local.size, "local_rank": local.rank,
+            "split": split}
+
+
+def check_layout(state: Mapping[str, Any], layout: dict[str, Any]) -> dict[str, Any]:
+    """``state`` without its ``"hierarchy"`` entry; ``ValueError`` if that is not
+    ``layout`` (a two-level state resumes on the same layout only)."""
+    state = dict(state)
+    saved = state.pop("hierarchy", None)
+    if saved != layout:
+        raise ValueError(f"compression state was saved with hierarchy {saved} but this "
+                         f"rank runs {layout}; resume each rank from its own "
+                         "state on the same hosts x ranks-per-host layout")
+    return state
 
 
 # The pieces ------------------------------------------------------------------------------
@@ -585,8 +683,7 @@ class HierarchicalPipeline:
 
     # State -----------------------------------------------------------------------------------
     def layout(self) -> dict[str, Any]:
-        return {"hosts": self.cross.size, "ranks_per_host": self.local.size,
-                "local_rank": self.local.rank, "split": self.split}
+        return layout_of(self.local, self.cross, self.split)
 
     def state_dict(self) -> dict[str, Any]:
         """The cross-host pipeline's state (this local rank's pieces' residuals and scheme
@@ -594,10 +691,4 @@ class HierarchicalPipeline:
         return {**self.inner.state_dict(), "hierarchy": self.layout()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        state = dict(state)
-        saved = state.pop("hierarchy", None)
-        if saved != self.layout():
-            raise ValueError(f"compression state was saved with hierarchy {saved} but this "
-                             f"rank runs {self.layout()}; resume each rank from its own "
-                             "state on the same hosts x ranks-per-host layout")
-        self.inner.load_state_dict(state)
+        self.inner.load_state_dict(check_layout(state, self.layout()))

@@ -8,15 +8,19 @@ import pytest
 import torch
 
 from hvd_compress import Compression, NonFiniteGradientError, Pipeline, Policy
+from hvd_compress.comm.ops import AllGather, AllReduce
 from hvd_compress.comm.threads import ThreadGroup
+from hvd_compress.comm.two_level import HostTwoLevelCommunicator
 from hvd_compress.hierarchy import (
     HierarchicalPipeline,
     HostLayout,
+    RoundsPipeline,
     check_hierarchy,
     cut,
     horovod_host_communicators,
     host_key,
     split_of,
+    two_level_pipeline,
 )
 from tests.threaded import on_threads
 
@@ -29,18 +33,23 @@ SCHEMES = ["none", "fp16", "bf16", "onebit:bucket_size=64", "qsgd:bucket_size=64
 POLICY = Policy(min_numel=64)
 
 
-def hierarchical(scheme: Any, plan: bool = True) -> list[HierarchicalPipeline]:
-    """One pipeline per global rank ``h * LOCAL + l``, planned with SHAPES."""
-    hosts = [ThreadGroup(LOCAL, timeout=30) for _ in range(HOSTS)]
-    cross = [ThreadGroup(HOSTS, timeout=30) for _ in range(LOCAL)]
-    pipes = [HierarchicalPipeline(scheme, hosts[r // LOCAL].communicator(r % LOCAL),
-                                  cross[r % LOCAL].communicator(r // LOCAL), POLICY,
-                                  bucket_bytes=4096)
-             for r in range(WORLD)]
+def hierarchical(scheme: Any, plan: bool = True, make: Any = HierarchicalPipeline
+                 ) -> list[Any]:
+    """One pipeline per global rank ``h * LOCAL + l`` (``make``'s), planned with SHAPES."""
+    pipes = [make(scheme, local, cross, POLICY, bucket_bytes=4096)
+             for local, cross in two_level_comms()]
     if plan:
         for p in pipes:
             p.plan(list(SHAPES), list(SHAPES.values()))
     return pipes
+
+
+def two_level_comms() -> list[tuple[Any, Any]]:
+    """(in-host, cross-host) communicators per global rank ``h * LOCAL + l``."""
+    hosts = [ThreadGroup(LOCAL, timeout=30) for _ in range(HOSTS)]
+    cross = [ThreadGroup(HOSTS, timeout=30) for _ in range(LOCAL)]
+    return [(hosts[r // LOCAL].communicator(r % LOCAL), cross[r % LOCAL].communicator(r // LOCAL))
+            for r in range(WORLD)]
 
 
 def gradients(step: int, integer: bool = False) -> list[dict[str, torch.Tensor]]:
@@ -104,6 +113,76 @@ def test_replicas_agree_and_resume_exactly(spec: str) -> None:
         mean = {n: sum(g[n] for g in gradients(3)) / WORLD for n in SHAPES}
         for n in SHAPES:
             torch.testing.assert_close(later[1][0][n], mean[n], rtol=0.02, atol=0.02)
+
+
+def test_two_level_all_reduce_is_the_flat_sum_bit_for_bit() -> None:
+    """Integer-valued tensors (sums exact): the flat sum on every rank, whatever the shape
+    (fewer elements than local ranks included) and dtype; other collectives refused."""
+    comms = [HostTwoLevelCommunicator(local, cross) for local, cross in two_level_comms()]
+    assert [c.rank for c in comms] == list(range(WORLD)) and comms[0].size == WORLD
+    torch.manual_seed(0)
+    shapes = [(7, 5), (1,), (3,), ()]
+    inputs = [[torch.randint(-50, 50, s).to(dtype) for s in shapes
+               for dtype in (torch.float32, torch.float16, torch.bfloat16)]
+              for _ in range(WORLD)]
+
+    def run(r: int) -> list[torch.Tensor]:
+        handles = [comms[r].start(f"t{i}", AllReduce("P", x.clone()))
+                   for i, x in enumerate(inputs[r])]
+        return [comms[r].wait(h) for h in handles]
+
+    out = on_threads(WORLD, run)
+    for i, want in enumerate(sum(x[i] for x in inputs) for i in range(len(inputs[0]))):
+        for r in range(WORLD):
+            assert out[r][i].dtype == want.dtype and torch.equal(out[r][i], want), (r, i)
+    assert all(c.take_host_bytes() > 0 for c in comms)
+    assert comms[0].host_bytes == 0  # taken
+    with pytest.raises(TypeError, match="linear_rounds"):
+        comms[0].start("g", AllGather("x", torch.zeros(3), (3,) * WORLD))
+
+
+def test_powersgd_rounds_are_flat_powersgd_summed_in_two_levels() -> None:
+    """PowerSGD under hierarchy='host' runs the flat algorithm: its aggregates are flat
+    PowerSGD's (the factors summed in another order: equal to rounding; the dense warm-up
+    step bit for bit), identical on every rank, resumed exactly, and the host's loopback
+    carries the factors, far fewer bytes than the dense sum of whole tensors."""
+    spec = "powersgd:rank=2,start_iter=1"
+    group = ThreadGroup(WORLD, timeout=30)
+    flat = [Pipeline(Compression.parse(spec), group.communicator(r), POLICY, bucket_bytes=4096)
+            for r in range(WORLD)]
+    two = hierarchical(Compression.parse(spec), make=two_level_pipeline)
+    dense = hierarchical(Compression.parse(spec))
+    assert isinstance(two[0], RoundsPipeline) and two[0].layout()["split"] == "rounds"
+    host_bytes = {}
+    for step in range(3):
+        grads = gradients(step, integer=True)
+        want = on_threads(WORLD, lambda r, g=grads: flat[r].reduce(g[r]))
+        got = on_threads(WORLD, lambda r, g=grads: two[r].reduce(g[r]))
+        on_threads(WORLD, lambda r, g=grads: dense[r].reduce(g[r]))
+        for name in SHAPES:
+            assert all(torch.equal(got[r][name], got[0][name]) for r in range(WORLD))
+            if step == 0:
+                assert torch.equal(got[0][name], want[0][name]), name
+            torch.testing.assert_close(got[0][name], want[0][name], rtol=1e-4, atol=1e-4)
+        assert two[0].last_step.compressed_tensors == flat[0].last_step.compressed_tensors
+        host_bytes[step] = (two[0].last_step.collective_bytes["host"],
+                            dense[0].last_step.collective_bytes["host"])
+    assert flat[0].last_step.compressed_tensors > 0
+    # The dense tensors (bias, row, scalar) still go whole; the matrices as factors.
+    assert 0 < host_bytes[2][0] < host_bytes[2][1] / 2, host_bytes
+    # Exact resume, each rank from its own state.
+    saved = [p.state_dict() for p in two]
+    later = steps(two, 3, 2)
+    resumed = hierarchical(Compression.parse(spec), make=two_level_pipeline)
+    for p, state in zip(resumed, saved, strict=True):
+        p.load_state_dict(state)
+    again = steps(resumed, 3, 2)
+    for a, b in zip(later, again, strict=True):
+        assert all(torch.equal(a[r][n], b[r][n]) for r in range(WORLD) for n in SHAPES)
+    with pytest.raises(ValueError, match="saved with hierarchy"):
+        two[0].load_state_dict({**saved[0], "hierarchy": dense[0].layout()})
+    with pytest.raises(ValueError, match="linear"):
+        RoundsPipeline(Compression.onebit(), *two_level_comms()[0])
 
 
 def test_buckets_cross_hosts_while_later_gradients_arrive() -> None:

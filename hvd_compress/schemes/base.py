@@ -202,11 +202,17 @@ class Scheme(ABC):
         sliceable: whether row blocks of a tensor can be compressed independently and
             their aggregates stacked back (two-level compression then gives each local rank
             of a host one block; otherwise whole tensors, :mod:`hvd_compress.hierarchy`).
+        linear_rounds: whether every round is an :class:`~hvd_compress.comm.ops.AllReduce`
+            of something linear in the gradient (PowerSGD's ``P = M Q``), so summing it in
+            two levels is the flat algorithm: two-level compression then runs the flat
+            pipeline with each all-reduce done hierarchically
+            (:class:`~hvd_compress.comm.two_level.HostTwoLevelCommunicator`).
     """
 
     name: str = "scheme"
     error_feedback: bool = False
     sliceable: bool = False
+    linear_rounds: bool = False
     min_compression_rate: float = 1.0
 
     @abstractmethod

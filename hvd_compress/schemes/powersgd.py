@@ -80,6 +80,7 @@ class PowerSGD(Scheme):
 
     name = "powersgd"
     error_feedback = True
+    linear_rounds = True  # P and Q are sums of per-rank products (hvd_compress.hierarchy)
 
     def __init__(self, rank: int = 4, start_iter: int = 10, min_compression_rate: float = 2.0,
                  warm_start: bool = True, loco_beta: float = 0.0,
