@@ -38,6 +38,13 @@ def test_two_hosts_of_two_ranks_agree_resume_and_match_the_flat_route() -> None:
     none = ranks[0]["none"]
     for name, value in none["flat"].items():
         assert torch.equal(none["two"][name], value), name
+    # PowerSGD's rounds are summed in two levels: flat PowerSGD, the factors summed in
+    # another order (sums of integer gradients times the same Q: equal to rounding).
+    powersgd = ranks[0]["powersgd:rank=2,start_iter=1"]
+    assert powersgd["stats"]["layout"]["split"] == "rounds"
+    assert powersgd["stats"]["cross"] == "HostTwoLevelCommunicator"
+    for name, value in powersgd["flat"].items():
+        torch.testing.assert_close(powersgd["two"][name], value, rtol=1e-4, atol=1e-4)
     # Top-k's pairs go to the server across hosts; DGC's through Horovod's all-gather.
     assert ranks[0]["topk:ratio=0.05"]["stats"]["cross"] == "ParameterServerCommunicator"
     assert ranks[0]["dgc:ratio=0.05"]["stats"]["cross"] == "HorovodTorchCommunicator"

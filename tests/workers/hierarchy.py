@@ -53,7 +53,7 @@ def _train(spec: str, hierarchy: str | None, first: int, count: int,
 
 def steps(specs: list[str], ps: str | None = None) -> dict[str, Any]:
     """Per scheme: the parameters after 3 steps two-level, after steps 2-3 resumed from
-    each rank's own state after step 1, and (``none``) after 3 flat steps."""
+    each rank's own state after step 1, and (``none``, PowerSGD) after 3 flat steps."""
     out: dict[str, Any] = {}
     for spec in specs:
         server = ps if spec.startswith("topk") else None
@@ -61,7 +61,7 @@ def steps(specs: list[str], ps: str | None = None) -> dict[str, Any]:
         _, state, _ = _train(spec, "host", 0, 1, ps=server)
         resumed, _, _ = _train(spec, "host", 1, 2, start=state, ps=server)
         out[spec] = {"two": two, "resumed": resumed, "stats": stats}
-        if spec == "none":
+        if spec == "none" or spec.startswith("powersgd"):
             out[spec]["flat"] = _train(spec, None, 0, 3)[0]
     # A host's last all-gather may still run when the other host's ranks are done: no
     # rank exits (shutting Horovod down) before every rank has finished (user guide).
