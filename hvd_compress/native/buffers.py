@@ -25,10 +25,12 @@ __all__ = ["BLOCK_ROUND", "IDLE_LEASES", "POOL_MIN_BYTES", "cat", "empty", "pool
 _POOL = BlockPool(IDLE_LEASES)
 
 
-def empty(numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-    """A flat uninitialised tensor; on the CPU from :data:`POOL_MIN_BYTES` on, over recycled
-    memory (the module docstring). Not resizable, as any tensor over borrowed memory."""
-    if torch.device(device).type != "cpu" or numel * dtype.itemsize < POOL_MIN_BYTES:
+def empty(numel: int, dtype: torch.dtype, device: torch.device | str = "cpu",
+          pool_min_bytes: int = POOL_MIN_BYTES) -> torch.Tensor:
+    """A flat uninitialised tensor; on the CPU from ``pool_min_bytes`` (default
+    :data:`POOL_MIN_BYTES`) on, over recycled memory (the module docstring). Not resizable,
+    as any tensor over borrowed memory."""
+    if torch.device(device).type != "cpu" or numel * dtype.itemsize < pool_min_bytes:
         return torch.empty(numel, dtype=dtype, device=device)
     return torch.frombuffer(_POOL.lend(numel * dtype.itemsize), dtype=dtype, count=numel)
 

@@ -281,7 +281,8 @@ def fused_allreduce(codec: PackedScheme, kernel: str, x: torch.Tensor,
     new_state = {CHUNK_RESIDUAL: chunk_sum} if codec.error_feedback else {}
 
     gathered = yield AllGather("gather", reencoded, payload_sizes)
-    aggregate = buffers.empty(flat.numel(), torch.float32)
+    aggregate = buffers.empty(flat.numel(), torch.float32,
+                              pool_min_bytes=kernels.STEP_POOL_MIN_BYTES)
     for p, part in zip(gathered, _parts(aggregate, sizes)):
         n = part.numel()
         if not n:
