@@ -237,6 +237,25 @@ def test_topk_ties_between_pairs_and_untouched_entries_take_the_lower_indices():
     np.testing.assert_array_equal(top, tied[:idx.size])
 
 
+def test_topk_without_kept_bounds_gives_the_same_bits():
+    """``hvdc_topk`` (bounds from a pass over the residual, each call) and the kept
+    bounds of :func:`native_round.topk` give the same aggregates and residuals."""
+    numel, rng = 5000, np.random.default_rng(4)
+    kept, fresh = np.zeros(numel, np.float32), np.zeros(numel, np.float32)
+    lib = native.library()
+    for k in (40, 400, 3, 2000):
+        idx = np.sort(rng.choice(numel, 1000, replace=False)).astype(np.int64)
+        val = (rng.standard_normal(1000) * rng.choice([0.01, 1.0, 100.0])).astype(np.float32)
+        top, values = native_round.topk(kept, idx, val, k)
+        out_idx, out_val = np.empty(k, np.int64), np.empty(k, np.float32)
+        count = lib.hvdc_topk(fresh.ctypes.data, numel, idx.ctypes.data, val.ctypes.data,
+                              idx.size, k, out_idx.ctypes.data, out_val.ctypes.data)
+        assert count == top.size == k
+        assert_same_bits(out_idx, top)
+        assert_same_bits(out_val, values)
+        assert_same_bits(fresh, kept)
+
+
 def test_a_residual_changed_in_place_needs_its_bounds_forgotten():
     numel = 1000
     residual = np.zeros(numel, np.float32)
