@@ -237,8 +237,11 @@ int64_t hvdc_topk_bounded(float* residual, int64_t numel, uint32_t* bounds,
         restore();
         return -2;
     }
-    uint32_t t0 = 0;
-    if (k > 0 && n >= k) t0 = kth_largest(n, mag, k, w.hist) & ~uint32_t(0xFFFF);
+    uint32_t t0 = 0, kth_pairs = 0;  // the k-th largest |s| of the pairs, its bucket's edge
+    if (k > 0 && n >= k) {
+        kth_pairs = kth_largest(n, mag, k, w.hist);
+        t0 = kth_pairs & ~uint32_t(0xFFFF);
+    }
     // The blocks to read (their bound reaches t0), then the candidates in index order:
     // the pairs with |s| >= t0 outside those blocks, and those blocks' entries >= t0.
     std::vector<int64_t>& read = w.read;
@@ -282,7 +285,10 @@ int64_t hvdc_topk_bounded(float* residual, int64_t numel, uint32_t* bounds,
     if (k > 0) pairs_below(INT64_MAX);
     int64_t written = 0;
     if (k > 0) {  // count >= k (see above)
-        const uint32_t kth = kth_largest(count, Magnitudes{cand}, k, w.hist);
+        // No block read: the candidates are the pairs >= t0, whose k-th is the pairs'.
+        const uint32_t kth = read.empty() && n >= k
+                                 ? kth_pairs
+                                 : kth_largest(count, Magnitudes{cand}, k, w.hist);
         int64_t above = 0;
         for (int64_t c = 0; c < count; ++c) above += cand[c].mag > kth;
         int64_t ties = k - above;  // entries equal to the k-th to take
