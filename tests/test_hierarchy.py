@@ -19,6 +19,7 @@ from hvd_compress.hierarchy import (
     cut,
     horovod_host_communicators,
     host_key,
+    solo,
     split_of,
     two_level_pipeline,
 )
@@ -139,6 +140,10 @@ def test_two_level_all_reduce_is_the_flat_sum_bit_for_bit() -> None:
     assert comms[0].host_bytes == 0  # taken
     with pytest.raises(TypeError, match="linear_rounds"):
         comms[0].start("g", AllGather("x", torch.zeros(3), (3,) * WORLD))
+    alone = HostTwoLevelCommunicator(solo(), solo())  # one host of one rank
+    x = torch.arange(6.0).view(2, 3)
+    assert torch.equal(alone.wait(alone.start("x", AllReduce("P", x))), torch.arange(6.0)
+                       .view(2, 3)) and alone.take_host_bytes() == 0
 
 
 def test_powersgd_rounds_are_flat_powersgd_summed_in_two_levels() -> None:

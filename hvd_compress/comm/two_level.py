@@ -93,7 +93,8 @@ class HostTwoLevelCommunicator:
         if handle.result is not None:
             return handle.result
         tensor = handle.op.tensor
-        if self.local.size == 1:
+        own = self.local.size > 1  # chunk is this communicator's sum, not the caller's
+        if not own:
             chunk = handle.scatter
         else:
             received = self.local.wait(handle.scatter)
@@ -106,8 +107,9 @@ class HostTwoLevelCommunicator:
         handle.scatter = None
         if chunk.numel() and self.cross.size > 1:  # the same on every host: same shape
             chunk = self.cross.wait(self.cross.start(
-                f"{handle.name}.cross", AllReduce(handle.op.round, chunk, inplace=True)))
-        if self.local.size == 1:
+                f"{handle.name}.cross",
+                AllReduce(handle.op.round, chunk, inplace=own or handle.op.inplace)))
+        if not own:
             total = chunk
         else:
             sizes = tuple(b - a for a, b in zip(handle.bounds, handle.bounds[1:]))
