@@ -145,6 +145,16 @@ def test_init_gives_mpirun_ranks_horovods_gloo_controller_by_default() -> None:
         assert torch.equal(on_gloo[0][spec]["params"], on_mpi[0][spec]["params"]), spec
 
 
+@pytest.mark.parametrize("binding", BINDINGS)
+def test_both_bindings_take_the_gloo_controller_under_mpirun_by_default(binding: str) -> None:
+    done = run_command([*launch_command("mpi", 2), *WORKER, "default", binding], 300)
+    assert done.returncode == 0, done.stdout[-4000:]
+    for rank in (0, 1):
+        assert f"size=2 rank={rank} rank_sum=1 controller=gloo" in done.stdout, \
+            done.stdout[-4000:]
+    assert done.stdout.count("hvd_compress: Horovod runs its Gloo controller") == 1  # rank 0
+
+
 def test_init_with_mpi_server_ranks_keeps_the_mpi_controller() -> None:
     ranks = run_ranks("tests.workers.mpi_settings:horovod_controller", launcher="mpi",
                       mpi_servers=1)

@@ -1,10 +1,11 @@
 """A worker of an MPMD ``mpirun`` with parameter-server ranks, for tests/test_mpmd.py:
-``python -m tests.workers.mpmd_init {plain|hvdc} {torch|tensorflow}``.
+``python -m tests.workers.mpmd_init {plain|hvdc|default} {torch|tensorflow}``.
 
 ``plain`` starts Horovod the wrong way (``hvd.init()``, which would block for ever on a
 world with server ranks) and prints the time just before; ``hvdc`` the documented way
 (``hvd_compress.<binding>.init(ps="mpi")``) and prints ``size=N rank=R`` and an all-reduce
-of the ranks over the workers' communicator.
+of the ranks over the workers' communicator; ``default`` the same with ``init()``'s
+defaults (no servers), adding which controller Horovod runs.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def main() -> None:
         hvd.init()
         print("hvd.init returned", flush=True)
         return
-    hvdc.init(ps="mpi")
+    hvdc.init() if how == "default" else hvdc.init(ps="mpi")
     if binding == "torch":
         import torch
 
@@ -32,7 +33,9 @@ def main() -> None:
         import tensorflow as tf
 
         total = int(hvd.allreduce(tf.constant([hvd.rank()]), op=hvd.Sum).numpy()[0])
-    print(f"size={hvd.size()} rank={hvd.rank()} rank_sum={total}", flush=True)
+    controller = "gloo" if hvd.gloo_enabled() else "mpi" if hvd.mpi_enabled() else "?"
+    print(f"size={hvd.size()} rank={hvd.rank()} rank_sum={total} controller={controller}",
+          flush=True)
 
 
 if __name__ == "__main__":
