@@ -125,8 +125,9 @@ HOROVOD_SYSTEMS = ("horovod", "horovod-mpi", f"horovod-{HIERARCHICAL}")
 with Horovod's hierarchical settings."""
 OURS = "hvd-compress"
 """hvd-compress's rows: ``hvd-compress`` on Horovod's Gloo controller, ``hvd-compress-mpi``
-under ``mpirun``, ``hvd-compress-mpi-gloo`` under ``mpirun`` with Horovod's Gloo controller
-(``hvd_compress.torch.init(controller="gloo")``)."""
+under ``mpirun`` on its MPI controller (``controller="horovod"``), ``hvd-compress-mpi-gloo``
+under ``mpirun`` with Horovod's Gloo controller (``controller="gloo"``, ``init()``'s
+default there)."""
 FLOOR = "floor"
 """The compute floor's row: the same model and ranks, no communication at all."""
 
