@@ -18,8 +18,9 @@ Which piece each local rank carries (:func:`split_of`):
   tensor of at least ``L`` rows is cut into ``L`` row blocks, local rank ``l`` carrying
   block ``l``, so all ``L`` links and codecs of a host work at once, as in Horovod's
   hierarchical all-reduce. Tensors with fewer rows go whole, to one local rank.
-* ``"tensors"`` (any scheme not known to be sliceable, such as PowerSGD with ``split=
-  "tensors"`` given): every tensor goes whole to one local rank, tensors assigned
+* ``"tensors"`` (any scheme not known to be sliceable; PowerSGD too in a
+  :class:`HierarchicalPipeline` built directly): every tensor goes whole to one local rank,
+  tensors assigned
   largest first to the least loaded local rank (a leader per tensor; a job with one big
   matrix has one busy link).
 
