@@ -20,9 +20,8 @@ Which piece each local rank carries (:func:`split_of`):
   hierarchical all-reduce. Tensors with fewer rows go whole, to one local rank.
 * ``"tensors"`` (any scheme not known to be sliceable; PowerSGD too in a
   :class:`HierarchicalPipeline` built directly): every tensor goes whole to one local rank,
-  tensors assigned
-  largest first to the least loaded local rank (a leader per tensor; a job with one big
-  matrix has one busy link).
+  tensors assigned largest first to the least loaded local rank (a leader per tensor; a
+  job with one big matrix has one busy link).
 
 A scheme whose every round is an all-reduce of something linear in the gradient
 (:attr:`~hvd_compress.schemes.base.Scheme.linear_rounds`: PowerSGD, whose ``P = sum_i M_i
