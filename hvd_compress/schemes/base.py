@@ -24,7 +24,7 @@ import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Generator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -127,9 +127,20 @@ class Scattered:
         return x
 
 
-Dense = torch.Tensor | LowRank | Scattered
-"""A dense tensor, or one kept as low-rank factors (:class:`LowRank`) or as the pairs of
-its non-zero entries (:class:`Scattered`)."""
+class Kept(Protocol):
+    """A tensor kept in another form than its entries, which error feedback and the
+    aggregate's write use without materializing it where they can."""
+
+    def materialize(self) -> torch.Tensor: ...
+    def total(self) -> torch.Tensor: ...
+    def write(self, out: torch.Tensor, scale: float) -> torch.Tensor: ...
+    def subtract_from(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+Dense = torch.Tensor | Kept
+"""A dense tensor, or one kept as low-rank factors (:class:`LowRank`), as the pairs of its
+non-zero entries (:class:`Scattered`) or as the payloads a packed scheme sent
+(:class:`~hvd_compress.schemes.packed.PackedContribution`): any :class:`Kept`."""
 
 
 def materialize(value: Dense) -> torch.Tensor:
