@@ -202,3 +202,80 @@ def test_a_row_of_hosts_of_several_ranks_is_predicted_as_that_cluster() -> None:
     old = {k: v for k, v in row.items() if k not in ("hosts", "ranks_per_host")}
     _, one_each = model.row_case(old, tensors, base, 0.1)  # runs before --ranks-per-host
     assert (one_each.hosts, one_each.per_host) == (4, 1)
+
+
+def test_two_level_powersgd_sums_its_factors_inside_the_host_not_the_gradient() -> None:
+    """Under two-level PowerSGD (``linear_rounds``) takes the ``rounds`` route: its in-host
+    bytes are the reduce-scatter and all-gather of its rounds' requests (the factors and
+    the dense biases), far below the dense gradient's, its host link carries the flat
+    all-reduces' bytes over ``W`` hosts, and each round takes three collectives. A
+    scheme without ``linear_rounds`` (1-bit) still sums the dense gradient in the host."""
+    shapes = {"w": (512, 256), "v": (256, 256), "b": (64,)}
+    numel = sum(math.prod(s) for s in shapes.values())
+    hosts, per_host = 3, 4
+    cluster = model.Cluster(hosts=hosts, per_host=per_host, copy_bytes_per_s=1e10,
+                            intra_bits=1e9, cycle_s=1e-3)
+    share = 2 * (per_host - 1) / per_host
+    dense = share * 4 * numel
+    job = model.Job(shapes, "powersgd:rank=4", two_level=True)
+    mine = model.Model(job, cluster)
+    pred = mine.predict()
+    costs = mine.costs()
+    requests = sum(sum(costs[n][r].payloads) for n, r in pred.routes.items())
+    assert mine.split == "rounds"
+    # P and Q of rank 4 for each matrix, the bias dense, float32
+    assert requests == pytest.approx(4 * (4 * (512 + 256) + 4 * (256 + 256) + 64))
+    assert mine.in_host_bytes(costs, pred.routes) == pytest.approx(share * requests)
+    assert mine.in_host_bytes(costs, pred.routes) < dense / 20
+    assert pred.terms["intra"] == pytest.approx(share * requests * 8 / 1e9)
+    assert pred.host_bytes == pytest.approx(2 * (hosts - 1) / hosts * requests)
+    flat_pred = model.predict_job(dataclasses.replace(job, two_level=False), cluster)
+    assert pred.collectives == 3 * flat_pred.collectives
+    # the route before linear_rounds (split="tensors"): the dense sum inside the host
+    old = model.Model(dataclasses.replace(job, split="tensors"), cluster)
+    old_pred = old.predict()
+    assert old.in_host_bytes(old.costs(), old_pred.routes) == pytest.approx(dense)
+    assert old_pred.terms["intra"] > 20 * pred.terms["intra"]
+    onebit = model.Model(model.Job(shapes, "onebit", two_level=True), cluster)
+    assert onebit.split == "slices"
+    assert onebit.in_host_bytes(onebit.costs(), onebit.predict().routes) == pytest.approx(dense)
+
+
+def test_the_two_level_route_follows_linear_rounds_not_the_scheme_name(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The route is read from the scheme's ``linear_rounds`` (and ``sliceable``), as
+    ``hierarchy.two_level_pipeline`` chooses: the same scheme with the flag off is not
+    modelled as ``rounds``."""
+    from hvd_compress.schemes.powersgd import PowerSGD
+
+    scheme = Compression.parse("powersgd:rank=4")
+    assert model.two_level_split(scheme) == "rounds"
+    monkeypatch.setattr(PowerSGD, "linear_rounds", False)
+    assert model.two_level_split(scheme) == ("slices" if scheme.sliceable else "tensors")
+    onebit = Compression.parse("onebit")
+    monkeypatch.setattr(type(onebit), "linear_rounds", True)
+    assert model.two_level_split(onebit) == "rounds"
+
+
+def test_a_two_level_powersgd_row_is_checked_by_the_route_it_recorded() -> None:
+    """``bench model --check``: a ``powersgd@host`` row whose in-host collectives were
+    handed about its factors' bytes ran the factor route, one handed the dense gradient
+    the route before it; a row recording neither is not checked (its settings are the
+    same for both routes)."""
+    tensors = model.model_tensors("tiny")
+    base = model.Cluster(hosts=1, copy_bytes_per_s=1e10)
+    row = {"system": "hvd-compress", "scheme": "powersgd:rank=4@host", "link": "100mbit",
+           "link_bits": 1e8, "ranks": 4, "hosts": 2, "ranks_per_host": 2, "model": "tiny",
+           "step_s": 0.1, "collective_bytes": {"P": 800, "Q": 800, "dense": 100,
+                                               "host": 2550}}
+    job, _ = model.row_case(row, tensors, base, 0.1)
+    assert job.split == "rounds"
+    dense = {**row["collective_bytes"], "host": 4 * 1_000_000}
+    assert model.row_case({**row, "collective_bytes": dense}, tensors, base, 0.1)[0].split \
+        == "tensors"
+    unknown = {k: v for k, v in row.items() if k != "collective_bytes"}
+    with pytest.raises(model.UnknownRoute, match="in-host bytes"):
+        model.row_case(unknown, tensors, base, 0.1)
+    rows, _ = model.check([row, unknown], base, fitted=False)
+    assert rows[0]["split"] == "rounds" and rows[0]["error"] is not None
+    assert rows[1]["error"] is None and "in-host bytes" in rows[1]["not_checked"]

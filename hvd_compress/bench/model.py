@@ -29,10 +29,23 @@ The model, per step (every term from :mod:`hvd_compress.cost_model`)::
   buckets run in the same cycle and add their hops only), ``hops``: see
   :func:`hvd_compress.cost_model.hops`.
 
-Two-level: ranks of a host reduce-scatter dense over their own link (``intra_bits``), each
-compresses its ``1 / per_host`` slice (rows of a matrix) and exchanges it with its peers on
-the other hosts, sharing the host's link, then the host all-gathers. PowerSGD, whose factors
-of a row slice would cost more than the whole matrix's, runs on one leader per host.
+Two-level (``hierarchy="host"``), the route :func:`hvd_compress.hierarchy.two_level_pipeline`
+takes for the scheme (:func:`two_level_split`), with ``W`` hosts of ``L`` ranks:
+
+* ``rounds`` (a scheme with ``linear_rounds``: PowerSGD): the flat algorithm (codec as
+  flat, over ``W L`` ranks), each all-reduce of ``b`` bytes (the factors, and the tensors
+  the policy sends dense) done in two levels: an in-host reduce-scatter and all-gather,
+  ``2 (L - 1) / L * b`` bytes per rank at ``intra_bits`` plus a cycle and ``L - 1``
+  ``intra_latency_s`` hops each, and a cross-host all-reduce of this local rank's ``b / L``
+  among ``W`` hosts, the ``L`` local ranks sharing the host link: ``2 (W - 1) / W * b`` on
+  it, ``2 (W - 1)`` hops.
+* ``slices`` (a ``sliceable`` scheme): ranks of a host reduce-scatter the dense gradient
+  over their own link (``2 (L - 1) / L * 4 n`` bytes per rank at ``intra_bits``), each
+  compresses its ``1 / L`` slice (rows of a matrix) and exchanges it with its peers on the
+  other hosts, sharing the host's link, then the host all-gathers.
+* ``tensors`` (any other scheme, and PowerSGD run with ``split``, its route before
+  ``linear_rounds``): the same dense sum inside the host, each tensor coded whole; modelled
+  as one coder per host (the host link carries each tensor's payload once).
 """
 
 from __future__ import annotations
@@ -51,7 +64,7 @@ from typing import Any
 import torch
 
 from hvd_compress import Compression
-from hvd_compress.bench.report import Column, field, markdown_table
+from hvd_compress.bench.report import Column, field, markdown_table, optional_field
 from hvd_compress.cost_model import (
     ALLREDUCE,
     ALLTOALL,
@@ -71,10 +84,9 @@ from hvd_compress.schemes.base import Scheme
 TCP_HEADER_SHARE = 66 / 1448
 """Ethernet (14), IP (20) and TCP with timestamps (32) bytes per 1448-byte segment."""
 
-LEADER_SCHEMES = ("powersgd",)
-"""Schemes a two-level exchange runs on one leader per host instead of slicing."""
-
 ROUTES = ("native", "allgather", "ps")
+SPLITS = ("rounds", "slices", "tensors")
+"""Two-level routes (:func:`two_level_split`; module docstring)."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +98,8 @@ class Cluster:
         rate_bits: each host's network link, bits per second each way.
         latency_s: one-way latency of a hop between hosts.
         intra_bits: the link between ranks of one host, bits per second (0: unlimited).
+        intra_latency_s: one-way latency of a hop between ranks of one host (the in-host
+            collectives of two-level's ``rounds`` route).
         cycle_s: fixed cost per collective (Horovod's cycle time; 0 for DDP or NCCL).
         header_share: protocol bytes per payload byte on the host link.
         cpu_s_per_byte: host CPU seconds per byte through the network stack.
@@ -110,6 +124,7 @@ class Cluster:
     rate_bits: float = 10e9
     latency_s: float = 0.0
     intra_bits: float = 0.0
+    intra_latency_s: float = 0.0
     cycle_s: float = 0.0
     header_share: float = 0.0
     cpu_s_per_byte: float = 0.0
@@ -168,6 +183,8 @@ class Job:
             which costs two passes (cast and back).
         pipeline: hvd-compress's pipeline runs (its passes over the gradients count);
             off for stock Horovod and DDP.
+        split: two-level's route, one of :data:`SPLITS`; ``None``: the one the scheme
+            takes (:func:`two_level_split`).
     """
 
     tensors: Mapping[str, tuple[int, ...]]
@@ -179,8 +196,11 @@ class Job:
     fusion_bytes: float = 64 << 20
     element_bytes: int = 4
     pipeline: bool = True
+    split: str | None = None
 
     def __post_init__(self) -> None:
+        if self.split is not None and self.split not in SPLITS:
+            raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {self.split!r}")
         if self.element_bytes not in (2, 4):
             raise ValueError(f"element_bytes must be 2 or 4, got {self.element_bytes}")
         if self.route not in ROUTES:
@@ -353,6 +373,16 @@ def _slice(shape: tuple[int, ...], parts: int) -> tuple[int, ...]:
     return (math.ceil(shape[0] / parts), *shape[1:]) if shape else shape
 
 
+def two_level_split(scheme: Scheme) -> str:
+    """The route ``hierarchy="host"`` takes for ``scheme``, as
+    :func:`hvd_compress.hierarchy.two_level_pipeline` and ``split_of`` choose it:
+    ``rounds`` when its :attr:`~hvd_compress.schemes.base.Scheme.linear_rounds`, else
+    ``slices`` when ``sliceable``, else ``tensors``."""
+    if scheme.linear_rounds:
+        return "rounds"
+    return "slices" if scheme.sliceable else "tensors"
+
+
 class Model:
     """Predicts one :class:`Job` on one :class:`Cluster` (module docstring)."""
 
@@ -360,19 +390,22 @@ class Model:
         self.job, self.cluster = job, cluster
         parsed = Compression.parse(job.scheme)
         inner = parsed.scheme if isinstance(parsed, Auto) else parsed
-        self.leader = job.two_level and inner.name in LEADER_SCHEMES
+        self.split = (job.split or two_level_split(inner)) if job.two_level else None
+        self.leader = self.split == "tensors"
+        self.rounds = self.split == "rounds" and cluster.per_host > 1
         self.error_feedback = bool(inner.error_feedback)
         self.true_bytes: dict[tuple[str, str], float] = {}
         self.rank_bytes: dict[tuple[str, str], float] = {}
 
     # participants of the compressed exchange and the tensor each one codes
     def _peers(self) -> int:
+        """Participants of a cross-host collective: ``W`` two-level, ``W L`` flat."""
         c = self.cluster
         return c.hosts if self.job.two_level and c.per_host > 1 else c.ranks
 
     def _coded_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         c = self.cluster
-        if not self.job.two_level or c.per_host == 1 or self.leader:
+        if not self.job.two_level or c.per_host == 1 or self.leader or self.rounds:
             return shape
         return _slice(shape, c.per_host)
 
@@ -384,18 +417,23 @@ class Model:
         prof = profile(job.scheme, route, shape)
         peers = self._peers()
         numel = math.prod(shape)
+        # rounds: the flat algorithm, its codec and requests those of W L ranks
+        coding = c.ranks if self.rounds else peers
         if c.codec_bytes_per_s:
             coded = _route_scheme(job.scheme, route).name != "none"
             codec = 4 * numel / c.codec_bytes_per_s if coded else 0.0
         else:
-            codec = prof.codec_s(peers) * c.codec_scale
+            codec = prof.codec_s(coding) * c.codec_scale
         # a host carries per_host slices (two-level), or per_host ranks' traffic (flat)
         sharing = c.per_host if job.two_level and not self.leader else 1
-        sent, kinds, payloads = 0.0, [], list(prof.payloads(peers))
+        sent, kinds, payloads = 0.0, [], list(prof.payloads(coding))
         if _route_scheme(job.scheme, route).name == "none":
             payloads = [b * job.element_bytes / 4 for b in payloads]
         true = ring = 0.0
-        for what, payload in zip(prof.kinds, payloads, strict=True):
+        # rounds: each local rank all-reduces 1 / L of every request across the hosts
+        across = 1 / c.per_host if self.rounds else 1.0
+        for what, full in zip(prof.kinds, payloads, strict=True):
+            payload = full * across
             if what == SPARSE and job.route == "ps":
                 busiest, summing = self._server_round(payload, shape, peers)
                 sent += sharing * busiest
@@ -465,18 +503,45 @@ class Model:
         passes = count * 4 * numel / c.copy_bytes_per_s * c.codec_scale
         exchange = predict(costs, routes, link)
         hop = c.latency_s * sum(hops(k, self._peers()) for k in kinds + fused)
-        intra = self._intra_seconds(numel, routes)
+        intra = self._intra_seconds(costs, routes)
+        inside = self._in_host_collectives(kinds, fused)
         terms = {"compute": c.compute_s, "passes": passes,
                  "codec": sum(costs[n][r].compute for n, r in routes.items()),
                  "transfer": sum(costs[n][r].send_bytes for n, r in routes.items())
                  * link.seconds_per_byte,
-                 "collectives": c.cycle_s * len(kinds) + hop, "intra": intra}
+                 "collectives": c.cycle_s * len(kinds) + hop + inside, "intra": intra}
         sent = sum(self.true_bytes[(n, r)] for n, r in routes.items())
         wire = terms["transfer"]
         cpu = sent * c.cpu_s_per_byte if c.overlap else 0.0
         terms["cpu_beyond_wire"] = max(cpu - wire, 0.0)
-        step = c.compute_s + passes + exchange + hop + intra + terms["cpu_beyond_wire"]
-        return Prediction(step, terms, sent, len(kinds) + len(fused), routes)
+        step = (c.compute_s + passes + exchange + hop + inside + intra
+                + terms["cpu_beyond_wire"])
+        count = (len(kinds) + len(fused)) * (3 if self.rounds else 1)
+        return Prediction(step, terms, sent, count, routes)
+
+    def _in_host_collectives(self, kinds: Sequence[str], fused: Sequence[str]) -> float:
+        """Two-level ``rounds``: each cross-host all-reduce has an in-host reduce-scatter
+        and all-gather around it, each a collective of its own (a cycle per fused round,
+        ``L - 1`` in-host hops per collective)."""
+        c = self.cluster
+        if not self.rounds:
+            return 0.0
+        return 2 * (c.cycle_s * len(kinds)
+                    + c.intra_latency_s * (c.per_host - 1) * (len(kinds) + len(fused)))
+
+    def in_host_bytes(self, costs: Mapping[str, Mapping[str, RouteCost]],
+                      routes: Mapping[str, str]) -> float:
+        """Bytes a rank sends inside its host per step, two-level: ``rounds`` the in-host
+        reduce-scatter and all-gather of every round's request, ``2 (L - 1) / L * b``;
+        ``slices`` and ``tensors`` those of the dense gradient, ``2 (L - 1) / L * 4 n``;
+        0 flat or with one rank per host."""
+        c = self.cluster
+        if not self.job.two_level or c.per_host == 1:
+            return 0.0
+        share = 2 * (c.per_host - 1) / c.per_host
+        if self.rounds:
+            return share * sum(sum(costs[n][r].payloads) for n, r in routes.items())
+        return share * 4 * sum(math.prod(s) for s in self.job.tensors.values())
 
     def _fusion_split(self, costs: Mapping[str, Mapping[str, RouteCost]],
                       routes: Mapping[str, str]) -> list[str]:
@@ -493,16 +558,17 @@ class Model:
         return [what for (_, what), b in total.items()
                 for _ in range(max(math.ceil(b / self.job.fusion_bytes), 1) - 1)]
 
-    def _intra_seconds(self, numel: int, routes: Mapping[str, str]) -> float:
-        """Two-level: a dense reduce-scatter and all-gather inside the host, ``2 (L - 1) /
-        L * 4 n`` bytes per rank; flat: a ring's edges inside a host carry one rank's
+    def _intra_seconds(self, costs: Mapping[str, Mapping[str, RouteCost]],
+                       routes: Mapping[str, str]) -> float:
+        """Two-level: :meth:`in_host_bytes` at the intra rate (``rounds``: the requests';
+        else the dense gradient's); flat: a ring's edges inside a host carry one rank's
         bytes at the intra rate, counted where that takes longer than the host link's
         share (the edges work at once)."""
         c = self.cluster
         if c.per_host == 1 or c.intra_s_per_byte == 0:
             return 0.0
         if self.job.two_level:
-            return 2 * (c.per_host - 1) / c.per_host * 4 * numel * c.intra_s_per_byte
+            return self.in_host_bytes(costs, routes) * c.intra_s_per_byte
         inside = sum(self.rank_bytes[(n, r)] for n, r in routes.items()) * c.intra_s_per_byte
         between = sum(self.true_bytes[(n, r)] for n, r in routes.items()) * c.wire_s_per_byte
         return max(inside - between, 0.0)
@@ -662,12 +728,36 @@ STOCK_ONLY = ("stock_s_per_byte", "reduce_s_per_byte")
 float16), applied to its rows only (``reduce_s_per_byte`` to the Gloo controller's)."""
 
 
+class UnknownRoute(ValueError):
+    """A two-level row of a ``linear_rounds`` scheme that does not record which route it
+    ran (:func:`row_split`)."""
+
+
+def row_split(row: Mapping[str, Any]) -> str:
+    """The two-level route a ``SPEC@host`` row of a ``linear_rounds`` scheme (PowerSGD)
+    ran, from the byte counts its pipeline recorded (``collective_bytes``): ``rounds``
+    when its in-host collectives (``"host"``) were handed at most twice its other rounds'
+    bytes (the factor route hands each round's request to the reduce-scatter and ``1 / L``
+    of it to the all-gather), ``tensors`` (the dense sum inside the host, the route before
+    ``linear_rounds``) when more (the dense gradient: 50 MB against 0.08 MB of factors on
+    mlp8m). The rows' settings are the same for both routes, so a row without those
+    counts raises :class:`UnknownRoute`."""
+    handed = {k: float(v) for k, v in (row.get("collective_bytes") or {}).items()}
+    if "host" not in handed:
+        raise UnknownRoute(f"{row.get('scheme')}: the row records no in-host bytes "
+                           "(collective_bytes['host']), so whether it summed the factors "
+                           "or the dense gradient inside the host is unknown")
+    rounds = sum(v for k, v in handed.items() if k != "host")
+    return "rounds" if handed["host"] <= 2 * rounds else "tensors"
+
+
 def row_case(row: Mapping[str, Any], tensors: Mapping[str, tuple[int, ...]],
              base: Cluster, hook_s: float) -> tuple[Job, Cluster]:
     """The job and cluster of one ``bench cluster`` row: its system (hvd-compress's
     pipeline; stock Horovod: one fused all-reduce; DDP: 25 MB buckets, no cycle; DDP's
     PowerSGD hook taking ``hook_s`` seconds per step), scheme, link rate and latency,
-    hosts and ranks per host (``SPEC@host``: two-level) and Horovod cycle time."""
+    hosts and ranks per host (``SPEC@host``: two-level, a ``linear_rounds`` scheme's route
+    from :func:`row_split`, which raises :class:`UnknownRoute`) and Horovod cycle time."""
     system, scheme = str(row["system"]), str(row["scheme"])
     settings = row.get("settings") or {}
     cycle = float(settings.get("HOROVOD_CYCLE_TIME", 0)) / 1e3
@@ -700,8 +790,12 @@ def row_case(row: Mapping[str, Any], tensors: Mapping[str, tuple[int, ...]],
     spec, *where = scheme.split("@")
     if "gloo" in where:  # dense rounds on a torch.distributed Gloo group: no Horovod cycle
         cluster = dataclasses.replace(cluster, cycle_s=0.0)
+    two_level = "host" in where
+    split = None
+    if two_level and _route_scheme(spec, SCHEME).linear_rounds:
+        split = row_split(row)
     return Job(tensors, spec, route="ps" if "ps" in where else "native",
-               two_level="host" in where), cluster
+               two_level=two_level, split=split), cluster
 
 
 def _find(rows: Sequence[Mapping[str, Any]], system: str, scheme: str,
@@ -777,16 +871,23 @@ def check(rows: Sequence[Mapping[str, Any]], base: Cluster, hook_s: float = 0.1,
         for row in mine:
             floor = floors.get((model, row["link"]))
             here = params if floor is None else dataclasses.replace(params, compute_s=floor)
-            job, cluster = row_case(row, tensors, here, hook_s)
-            pred = predict_job(job, cluster)
             measured = float(row["step_s"])
-            out.append({"system": row["system"], "scheme": row["scheme"],
-                        "link": row["link"], "model": model, "measured_s": measured,
-                        "predicted_s": pred.step_s, "error": pred.step_s / measured - 1,
-                        "fitted_here": fitted and (row["system"], row["scheme"],
-                                                   row["link"]) in fits,
-                        "measured_mb": float(row.get("tx_payload_bytes_per_step") or 0) / 1e6,
-                        "predicted_mb": pred.host_bytes / 1e6,
+            common = {"system": row["system"], "scheme": row["scheme"],
+                      "link": row["link"], "model": model, "measured_s": measured,
+                      "fitted_here": fitted and (row["system"], row["scheme"],
+                                                 row["link"]) in fits,
+                      "measured_mb": float(row.get("tx_payload_bytes_per_step") or 0) / 1e6}
+            try:
+                job, cluster = row_case(row, tensors, here, hook_s)
+            except UnknownRoute as err:
+                out.append({**common, "predicted_s": None, "error": None,
+                            "predicted_mb": None, "split": None, "not_checked": str(err)})
+                continue
+            model_ = Model(job, cluster)
+            pred = model_.predict()
+            out.append({**common, "predicted_s": pred.step_s,
+                        "error": pred.step_s / measured - 1,
+                        "predicted_mb": pred.host_bytes / 1e6, "split": model_.split,
                         **{f"{k}_s": v for k, v in pred.terms.items()}})
     return out, used
 
@@ -797,11 +898,11 @@ TABLE_SCHEMES = ("none", "fp16", "powersgd:rank=4", "onebit", "topk:ratio=0.001"
 CHECK_COLUMNS = [
     Column("system", field("system")), Column("scheme", lambda r: f"`{r['scheme']}`"),
     Column("link", field("link")), Column("measured s", field("measured_s", "{:.3f}")),
-    Column("predicted s", field("predicted_s", "{:.3f}")),
-    Column("error", lambda r: f"{r['error'] * 100:+.1f}%" + (" (fitted)" if r["fitted_here"]
-                                                              else "")),
+    Column("predicted s", optional_field("predicted_s", "{:.3f}")),
+    Column("error", lambda r: "not checked: route not recorded" if r["error"] is None else
+           f"{r['error'] * 100:+.1f}%" + (" (fitted)" if r["fitted_here"] else "")),
     Column("MB sent/host measured", field("measured_mb", "{:.2f}")),
-    Column("predicted", field("predicted_mb", "{:.2f}"))]
+    Column("predicted", optional_field("predicted_mb", "{:.2f}"))]
 TABLE_COLUMNS = [
     Column("Gbit/s", field("rate_gbit", "{:g}")), Column("GPUs", field("gpus")),
     Column("fastest", lambda r: f"`{r['best']}`"), Column("step s", field("best_s", "{:.3f}")),
@@ -827,6 +928,9 @@ def add_parser(commands: Any) -> None:
                    help="one-way latency per hop between hosts, microseconds (default 5)")
     p.add_argument("--intra-gbit", type=float, default=0.0,
                    help="link between the GPUs of a host, Gbit/s (default 0: unlimited)")
+    p.add_argument("--intra-latency-us", type=float, default=0.0,
+                   help="one-way latency per hop between the GPUs of a host, microseconds "
+                        "(two-level PowerSGD's in-host collectives; default 0)")
     p.add_argument("--scheme", default="none", help="a Compression.parse spec (default none)")
     p.add_argument("--two-level", action="store_true",
                    help="dense inside a host, compressed across hosts")
@@ -891,6 +995,7 @@ def _base(args: Any, measure_copy: bool = True) -> Cluster:
         copy = copy_throughput() if measure_copy else Cluster.copy_bytes_per_s
     return Cluster(hosts=args.hosts, per_host=args.per_host, rate_bits=args.rate_gbit * 1e9,
                    latency_s=args.latency_us * 1e-6, intra_bits=args.intra_gbit * 1e9,
+                   intra_latency_s=args.intra_latency_us * 1e-6,
                    cycle_s=args.cycle_ms / 1e3, codec_scale=args.codec_scale,
                    codec_bytes_per_s=args.codec_gbps * 1e9 if args.codec_gbps else None,
                    copy_bytes_per_s=copy, compute_s=args.compute_s, overlap=args.overlap)
@@ -950,13 +1055,16 @@ def _run_check(args: Any) -> int:
         out += checked
         fitted[name] = {**dataclasses.asdict(used), "contention": contention,
                         "ddp_hook_s": hook_s}
-    worst = max(abs(r["error"]) for r in out)
-    within = sum(abs(r["error"]) <= 0.2 for r in out)
+    checked = [r for r in out if r["error"] is not None]
+    worst = max((abs(r["error"]) for r in checked), default=0.0)
+    within = sum(abs(r["error"]) <= 0.2 for r in checked)
+    skipped = len(out) - len(checked)
     fits = [] if args.no_fit or given else [list(f) for f in FITS]
     named = ", ".join(f"{n} on {s} {sc} {lk}" for n, s, sc, lk in fits) or "nothing"
+    unchecked = f" ({skipped} not checked: route not recorded)" if skipped else ""
     text = "\n".join([markdown_table(out, CHECK_COLUMNS), "",
-                      f"{within} of {len(out)} rows within 20% (worst {worst * 100:.1f}%); "
-                      f"fitted: {named}"])
+                      f"{within} of {len(checked)} rows within 20% (worst {worst * 100:.1f}%)"
+                      f"{unchecked}; fitted: {named}"])
     _write(args, {"rows": out, "parameters": fitted, "fits": fits,
                   "source": str(args.check)}, text)
     return 0
