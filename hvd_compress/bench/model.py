@@ -171,7 +171,7 @@ class Job:
     Args:
         tensors: name -> shape of every gradient.
         scheme: a :meth:`~hvd_compress.Compression.parse` spec (``auto:...`` too).
-        two_level: dense inside a host, compressed across hosts.
+        two_level: ``hierarchy="host"``, by the route of ``split`` (module docstring).
         route: ``native`` (each round as the scheme asks), ``allgather`` (the same: sparse
             rounds by all-gather) or ``ps`` (sparse rounds through a parameter server).
         shards: server shards, each on its own host link. server_mode: ``union`` (a pull
@@ -933,7 +933,9 @@ def add_parser(commands: Any) -> None:
                         "(two-level PowerSGD's in-host collectives; default 0)")
     p.add_argument("--scheme", default="none", help="a Compression.parse spec (default none)")
     p.add_argument("--two-level", action="store_true",
-                   help="dense inside a host, compressed across hosts")
+                   help="hierarchy='host': the scheme's two-level route (PowerSGD: its "
+                        "factors summed in two levels; others: dense inside a host, "
+                        "compressed across hosts)")
     p.add_argument("--route", choices=ROUTES, default="native",
                    help="sparse rounds by all-gather (native, allgather) or a server (ps)")
     p.add_argument("--shards", type=int, default=1, help="server shards (default 1)")
