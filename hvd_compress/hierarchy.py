@@ -58,8 +58,7 @@ import torch
 from hvd_compress.comm.base import Communicator
 from hvd_compress.comm.ops import AllGather, AllReduce, AllToAll
 from hvd_compress.comm.threads import ThreadGroup
-from hvd_compress.comm.two_level import HOST_ROUND as TWO_LEVEL_HOST_ROUND
-from hvd_compress.comm.two_level import HostTwoLevelCommunicator
+from hvd_compress.comm.two_level import HOST_ROUND, HostTwoLevelCommunicator, sum_in_order
 from hvd_compress.errors import NonFiniteGradientError
 from hvd_compress.fusion import assign_buckets
 from hvd_compress.pipeline import DEFAULT_BUCKET_BYTES, DEFAULT_REPORT_EVERY, Pipeline
@@ -73,10 +72,6 @@ HIERARCHIES = (None, "host")
 RANKS_PER_HOST_ENV = "HVD_COMPRESS_RANKS_PER_HOST"
 """Set to ``k``: ranks ``0..k-1`` form host 0, ``k..2k-1`` host 1, and so on, instead of
 Horovod's hosts (for emulated clusters and tests on one machine)."""
-
-HOST_ROUND = TWO_LEVEL_HOST_ROUND
-"""The round name of the dense sum and the all-gather inside a host (``collective_bytes``),
-and of the in-host rounds of :class:`~hvd_compress.comm.two_level.HostTwoLevelCommunicator`."""
 
 
 def split_of(scheme: Scheme) -> str:
@@ -576,12 +571,7 @@ class HierarchicalPipeline:
         if not mine:
             return
         (piece,) = mine  # one piece of a tensor per local rank at most
-        dtype = parts[0].dtype
-        wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-        summed = parts[0].to(wide, copy=True)
-        for part in parts[1:]:  # in local rank order, as every host does
-            summed += part
-        self.inner.submit(piece.key, summed.to(dtype).view(piece.shape))
+        self.inner.submit(piece.key, sum_in_order(parts).view(piece.shape))
 
     def _start_sum(self, name: str, tensor: _Tensor) -> None:
         """Start the tensor's sum inside the host as a reduce-scatter: an all-to-all that

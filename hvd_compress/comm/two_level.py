@@ -30,7 +30,19 @@ from hvd_compress.comm.base import Communicator
 from hvd_compress.comm.ops import AllGather, AllReduce, AllToAll, Collective
 
 HOST_ROUND = "host"
-"""The round name of the in-host reduce-scatter and all-gather (byte counts)."""
+"""The round name of every collective inside a host, here and in two-level compression's
+dense host sum (:mod:`hvd_compress.hierarchy`): ``collective_bytes`` counts them under it."""
+
+
+def sum_in_order(parts: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The sum of ``parts`` (one per local rank) in local rank order, as every host sums
+    them; float16 and bfloat16 summed in float32 and returned in their own dtype."""
+    dtype = parts[0].dtype
+    wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    summed = parts[0].to(wide, copy=True)
+    for part in parts[1:]:
+        summed += part
+    return summed.to(dtype)
 
 
 @dataclass
@@ -97,13 +109,7 @@ class HostTwoLevelCommunicator:
         if not own:
             chunk = handle.scatter
         else:
-            received = self.local.wait(handle.scatter)
-            wide = torch.float32 if tensor.dtype in (torch.float16, torch.bfloat16) \
-                else tensor.dtype
-            summed = received[0].to(wide, copy=True)
-            for part in received[1:]:  # in local rank order, on every host alike
-                summed += part
-            chunk = summed.to(tensor.dtype)
+            chunk = sum_in_order(self.local.wait(handle.scatter))
         handle.scatter = None
         if chunk.numel() and self.cross.size > 1:  # the same on every host: same shape
             chunk = self.cross.wait(self.cross.start(
