@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -532,3 +534,28 @@ def test_cluster_targets_compare_the_hook_with_our_powersgd_at_its_bytes() -> No
     assert not sends_as_hook("powersgd:rank=4,start_iter=2,alternate=True", hook)
     assert not sends_as_hook("powersgd:rank=4,start_iter=10", hook)
     assert not sends_as_hook("onebit", hook)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("tc") or not shutil.which("ip"),
+                    reason="needs root, ip and tc for network namespaces")
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_emulated_hosts_are_removed_when_the_benchmark_is_terminated(signum: int) -> None:
+    code = ("import time\nfrom hvd_compress.bench.hosts import emulated_hosts\n"
+            "with emulated_hosts(2, '1gbit'):\n    print('up', flush=True)\n    time.sleep(120)\n")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "up\n"
+        prefix = f"hvdc-{child.pid % 100000}-"
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert sum(line.startswith(prefix) for line in listed.splitlines()) == 3
+        child.send_signal(signum)
+        assert child.wait(timeout=60) == 128 + signum
+    finally:
+        child.kill()
+        child.wait()
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "-br", "link"], capture_output=True, text=True).stdout
+    assert [line for line in listed.splitlines() if line.startswith(prefix)] == []
+    assert [line for line in links.splitlines()
+            if line.startswith(f"hv{child.pid % 100000}up")] == []

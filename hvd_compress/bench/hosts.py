@@ -8,8 +8,8 @@ host sends and receives at most ``RATE``; an optional ``netem`` delay is added t
 host's outgoing traffic. Processes are started inside a host with ``ip netns exec``
 (:func:`host_command`), or by ``mpirun`` through an agent script that maps a host address
 to its namespace (:func:`mpirun_host_args`). Every namespace, link and process made here is
-removed when :func:`emulated_hosts` exits, even on an error or Ctrl-C, and traffic stays
-between the namespaces.
+removed when :func:`emulated_hosts` exits, even on an error, Ctrl-C, ``SIGTERM`` or
+``SIGHUP``, and traffic stays between the namespaces.
 
 Needs root, ``ip`` and ``tc`` (Debian's ``iproute2``).
 """
@@ -80,6 +80,32 @@ def kill_processes_in(namespace: str) -> None:
 
 
 @contextmanager
+def _exit_on_termination() -> Iterator[None]:
+    """``SIGTERM`` and ``SIGHUP`` raise ``SystemExit`` inside the block, so the ``finally``
+    clauses that remove namespaces run when a job scheduler or ``timeout`` ends the
+    benchmark (their default action ends the process at once). Handlers a program set
+    itself, and signals outside the main thread, are left alone."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def leave(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    replaced = {}
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(signum) is signal.SIG_DFL:
+            replaced[signum] = signal.signal(signum, leave)
+    try:
+        yield
+    finally:
+        for signum, handler in replaced.items():
+            signal.signal(signum, handler)
+
+
+@contextmanager
 def emulated_hosts(count: int, rate: str, latency_ms: float = 0.0) -> Iterator[list[str]]:
     """``count`` namespaces joined by a bridge, each link throttled to ``rate``; yields
     their addresses (host ``i`` lives in namespace :func:`host_namespace` ``(i)``).
@@ -101,40 +127,41 @@ def emulated_hosts(count: int, rate: str, latency_ms: float = 0.0) -> Iterator[l
     switch, bridge, uplink = f"{namespace_prefix}sw", "br0", f"{link_prefix}up"
     burst = max(int(rate_bits(rate) / 8 / 250), 16 << 10)  # one 4 ms tick, at least 16 KiB
     tbf = ["tbf", "rate", rate, "burst", str(burst), "latency", "100ms"]
-    namespaces = [switch]
-    try:
-        _ip("netns", "add", switch)
-        _ip("-n", switch, "link", "add", bridge, "type", "bridge")
-        _ip("-n", switch, "link", "set", bridge, "up")
-        _ip("link", "add", uplink, "type", "veth", "peer", "name", "root", "netns", switch)
-        _ip("-n", switch, "link", "set", "root", "master", bridge, "up")
-        _ip("addr", "add", f"{subnet}.254/24", "dev", uplink)
-        _ip("link", "set", uplink, "up")
-        addresses = []
-        for i in range(count):
-            ns, port = host_namespace(i), f"host{i}"
-            _ip("netns", "add", ns)
-            namespaces.append(ns)
-            _ip("-n", switch, "link", "add", port, "type", "veth", "peer", "name", INTERFACE,
-                "netns", ns)
-            _ip("-n", switch, "link", "set", port, "master", bridge, "up")
-            _ip("-n", ns, "addr", "add", f"{subnet}.{i + 1}/24", "dev", INTERFACE)
-            _ip("-n", ns, "link", "set", INTERFACE, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-            _tc("-n", switch, "qdisc", "add", "dev", port, "root", *tbf)
-            if latency_ms:
-                _tc("-n", ns, "qdisc", "add", "dev", INTERFACE, "root", "handle", "1:", *tbf)
-                _tc("-n", ns, "qdisc", "add", "dev", INTERFACE, "parent", "1:1", "handle",
-                    "10:", "netem", "delay", f"{latency_ms}ms", "limit", "100000")
-            else:
-                _tc("-n", ns, "qdisc", "add", "dev", INTERFACE, "root", *tbf)
-            addresses.append(f"{subnet}.{i + 1}")
-        yield addresses
-    finally:
-        for ns in namespaces:
-            kill_processes_in(ns)
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        subprocess.run(["ip", "link", "del", uplink], capture_output=True)
+    with _exit_on_termination():
+        namespaces = [switch]
+        try:
+            _ip("netns", "add", switch)
+            _ip("-n", switch, "link", "add", bridge, "type", "bridge")
+            _ip("-n", switch, "link", "set", bridge, "up")
+            _ip("link", "add", uplink, "type", "veth", "peer", "name", "root", "netns", switch)
+            _ip("-n", switch, "link", "set", "root", "master", bridge, "up")
+            _ip("addr", "add", f"{subnet}.254/24", "dev", uplink)
+            _ip("link", "set", uplink, "up")
+            addresses = []
+            for i in range(count):
+                ns, port = host_namespace(i), f"host{i}"
+                _ip("netns", "add", ns)
+                namespaces.append(ns)
+                _ip("-n", switch, "link", "add", port, "type", "veth", "peer", "name", INTERFACE,
+                    "netns", ns)
+                _ip("-n", switch, "link", "set", port, "master", bridge, "up")
+                _ip("-n", ns, "addr", "add", f"{subnet}.{i + 1}/24", "dev", INTERFACE)
+                _ip("-n", ns, "link", "set", INTERFACE, "up")
+                _ip("-n", ns, "link", "set", "lo", "up")
+                _tc("-n", switch, "qdisc", "add", "dev", port, "root", *tbf)
+                if latency_ms:
+                    _tc("-n", ns, "qdisc", "add", "dev", INTERFACE, "root", "handle", "1:", *tbf)
+                    _tc("-n", ns, "qdisc", "add", "dev", INTERFACE, "parent", "1:1", "handle",
+                        "10:", "netem", "delay", f"{latency_ms}ms", "limit", "100000")
+                else:
+                    _tc("-n", ns, "qdisc", "add", "dev", INTERFACE, "root", *tbf)
+                addresses.append(f"{subnet}.{i + 1}")
+            yield addresses
+        finally:
+            for ns in namespaces:
+                kill_processes_in(ns)
+                subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            subprocess.run(["ip", "link", "del", uplink], capture_output=True)
 
 
 def launcher_address(addresses: Sequence[str]) -> str:
