@@ -125,6 +125,21 @@ def test_largest_selects_exactly_what_torch_topk_selects(kind: str) -> None:
     assert set(got.tolist()) == set(want.tolist())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("n", "k"), [(9000, 9), (262144, 263), (1 << 20, 1 << 14)])
+def test_largest_keeps_the_k_largest_magnitudes_of_every_dtype_and_size(
+        dtype: torch.dtype, n: int, k: int) -> None:
+    """numpy's comparison (float32, float16) and torch's (bfloat16) give the exact top-k;
+    with ties in the low-precision dtypes, the same multiset of magnitudes."""
+    gen = torch.Generator().manual_seed(n + k)
+    for seed in range(5):
+        magnitude = torch.randn(n, generator=gen).abs().to(dtype)
+        got = largest(magnitude, k, torch.Generator().manual_seed(seed))
+        assert got.numel() == k == got.unique().numel()
+        assert torch.equal(magnitude[got].sort().values,
+                           magnitude.topk(k).values.sort().values)
+
+
 def test_scattered_contribution_subtracts_and_writes_like_its_dense_form() -> None:
     gen = torch.Generator().manual_seed(2)
     indices = torch.randperm(60, generator=gen)[:7]
