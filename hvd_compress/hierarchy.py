@@ -58,7 +58,12 @@ import torch
 from hvd_compress.comm.base import Communicator
 from hvd_compress.comm.ops import AllGather, AllReduce, AllToAll
 from hvd_compress.comm.threads import ThreadGroup
-from hvd_compress.comm.two_level import HOST_ROUND, HostTwoLevelCommunicator, sum_in_order
+from hvd_compress.comm.two_level import (
+    HOST_ROUND,
+    HostTwoLevelCommunicator,
+    sum_in_order,
+    wait_sum,
+)
 from hvd_compress.errors import NonFiniteGradientError
 from hvd_compress.fusion import assign_buckets
 from hvd_compress.pipeline import DEFAULT_BUCKET_BYTES, DEFAULT_REPORT_EVERY, Pipeline
@@ -198,7 +203,27 @@ def horovod_host_communicators(
     def of(ranks: tuple[int, ...]) -> Communicator:
         return solo() if len(ranks) == 1 else communicator(mine[ranks])
 
-    return layout, of(layout.local_ranks), of(layout.cross_ranks)
+    local = host_shm(hvd, layout) or of(layout.local_ranks)
+    return layout, local, of(layout.cross_ranks)
+
+
+def host_shm(hvd: Any, layout: HostLayout) -> Communicator | None:
+    """The host's shared-memory communicator (:mod:`hvd_compress.comm.shm`) where
+    ``$HVD_COMPRESS_HOST_SHM`` allows it and the host's ranks share ``/dev/shm``, else
+    ``None`` (Horovod's process set then). Collective: every rank of the job calls it (a
+    host of one rank, or ``$HVD_COMPRESS_HOST_SHM=0`` on every rank, calls nothing)."""
+    from hvd_compress.comm import shm
+
+    mode = shm.mode()
+    if mode == "off" or layout.local_size == 1:
+        return None
+    if not shm.supported():
+        if mode == "on":
+            raise RuntimeError(f"${shm.SHM_ENV}=1, but the shared-memory route needs an "
+                               "x86-64 host; unset it for Horovod's route")
+        return None
+    return shm.open_host(layout.local_rank, layout.local_size, layout.host,
+                         hvd.allgather_object, required=mode == "on")
 
 
 def check_hierarchy(hierarchy: str | None, scheme: Any, *, collectives: str = "horovod",
@@ -564,14 +589,15 @@ class HierarchicalPipeline:
         if tensor.forwarded:
             return
         started = time.perf_counter()
-        parts = [tensor.handle] if self.local.size == 1 else self.local.wait(tensor.handle)
+        summed = sum_in_order([tensor.handle]) if self.local.size == 1 else \
+            wait_sum(self.local, tensor.handle)
         self._current.seconds[f"wait {HOST_ROUND}"] += time.perf_counter() - started
         tensor.forwarded, tensor.handle = True, None
         mine = [p for p in self._pieces[name] if p.owner == self.local.rank]
         if not mine:
             return
         (piece,) = mine  # one piece of a tensor per local rank at most
-        self.inner.submit(piece.key, sum_in_order(parts).view(piece.shape))
+        self.inner.submit(piece.key, summed.view(piece.shape))
 
     def _start_sum(self, name: str, tensor: _Tensor) -> None:
         """Start the tensor's sum inside the host as a reduce-scatter: an all-to-all that

@@ -299,6 +299,7 @@ def test_host_communicators_use_the_bindings_communicator_on_each_process_set(
     from horovod.common import process_sets
 
     monkeypatch.setenv("HVD_COMPRESS_RANKS_PER_HOST", "2")
+    monkeypatch.setenv("HVD_COMPRESS_HOST_SHM", "0")  # Horovod's in-host route
     monkeypatch.setattr(process_sets, "_basics", type("Basics", (), {
         "_get_process_set_ids_and_ranks": staticmethod(lambda: {0: [0, 1, 2, 3], 7: [2, 3]})})())
     def communicator(process_set: Any) -> Any:

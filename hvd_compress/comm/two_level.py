@@ -45,6 +45,14 @@ def sum_in_order(parts: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> torch.
     return summed.to(dtype)
 
 
+def wait_sum(local: Communicator, handle: Any) -> torch.Tensor:
+    """The in-host sum (:func:`sum_in_order`) of what an all-to-all started on ``local``
+    brings this rank: summed as it arrives where the communicator can
+    (:meth:`~hvd_compress.comm.shm.ShmHostCommunicator.wait_sum`), the same bits."""
+    summing = getattr(local, "wait_sum", None)
+    return summing(handle) if summing is not None else sum_in_order(local.wait(handle))
+
+
 @dataclass
 class _Handle:
     name: str
@@ -109,7 +117,7 @@ class HostTwoLevelCommunicator:
         if not own:
             chunk = handle.scatter
         else:
-            chunk = sum_in_order(self.local.wait(handle.scatter))
+            chunk = wait_sum(self.local, handle.scatter)
         handle.scatter = None
         if chunk.numel() and self.cross.size > 1:  # the same on every host: same shape
             chunk = self.cross.wait(self.cross.start(
