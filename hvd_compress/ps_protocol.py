@@ -8,7 +8,8 @@ frames themselves are :mod:`hvd_compress.sparse_wire`.
 
 Environment
     :data:`PS_ENV` (where the servers are when ``ps=`` is not given), :data:`TOKEN_ENV`,
-    :data:`CA_ENV`, :data:`CONNECT_TIMEOUT_ENV` and :data:`RETRY_TIMEOUT_ENV`.
+    :data:`CA_ENV`, :data:`CONNECT_TIMEOUT_ENV`, :data:`RETRY_TIMEOUT_ENV` and
+    :data:`PARTIAL_ENV`.
 
 gRPC
     Service :data:`GRPC_SERVICE` with unary-unary methods ``Push`` and ``Pull``
@@ -63,6 +64,10 @@ CONNECT_TIMEOUT_ENV = "HVD_COMPRESS_PS_CONNECT_TIMEOUT"
 """Default seconds a gRPC client retries a server it never reached."""
 RETRY_TIMEOUT_ENV = "HVD_COMPRESS_PS_RETRY_TIMEOUT"
 """Default seconds a gRPC client retries a server that answered before (a restart)."""
+PARTIAL_ENV = "HVD_COMPRESS_PS_PARTIAL"
+"""What a round a server quorum closed without every worker applies, when ``partial=`` is
+not given (:data:`hvd_compress.comm.parameter_server.PARTIAL`): how the optimizers of
+both bindings, which build their communicator themselves, are told."""
 
 GRPC_SERVICE = "hvd_compress.ps.ParameterServer"
 GRPC_PUSH = f"/{GRPC_SERVICE}/Push"

@@ -406,6 +406,21 @@ def test_each_shards_sum_is_scaled_and_owed_as_partial_says(partial):
         ParameterServerCommunicator(SparseOnly(0, 4), _Client(), "s", partial="mean")
 
 
+def test_partial_comes_from_the_environment_when_not_given(monkeypatch):
+    """The bindings build the communicator without ``partial``: $HVD_COMPRESS_PS_PARTIAL
+    chooses it, the argument overrides it, and a bad value is refused at construction,
+    naming the variable."""
+    monkeypatch.delenv("HVD_COMPRESS_PS_PARTIAL", raising=False)
+    assert ParameterServerCommunicator(SparseOnly(0, 4), _Client(), "s").partial == "owed"
+    monkeypatch.setenv("HVD_COMPRESS_PS_PARTIAL", "unscaled")
+    assert ParameterServerCommunicator(SparseOnly(0, 4), _Client(), "s").partial == "unscaled"
+    assert ParameterServerCommunicator(SparseOnly(0, 4), _Client(), "s",
+                                       partial="refund").partial == "refund"
+    monkeypatch.setenv("HVD_COMPRESS_PS_PARTIAL", "mean")
+    with pytest.raises(ValueError, match=r"\$HVD_COMPRESS_PS_PARTIAL must be one of"):
+        ParameterServerCommunicator(SparseOnly(0, 4), _Client(), "s")
+
+
 def test_what_a_worker_owes_counts_as_sent_so_its_residual_gives_it_up():
     """counted_pairs with ``owed``: the counted pairs plus the owed entries, summed where
     they meet, so error feedback (x - sent) takes the owed mass from the residual."""

@@ -9,6 +9,7 @@ bindings and older imports.
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from hvd_compress.comm.ps_transport.base import PartialSum, PendingRound, Sharde
 from hvd_compress.comm.ps_transport.mpi import init_mpi_workers as init_mpi_workers
 from hvd_compress.comm.staging import pairs_to_device
 from hvd_compress.ps_protocol import CA_ENV as CA_ENV  # re-exported: older imports
+from hvd_compress.ps_protocol import PARTIAL_ENV
 from hvd_compress.ps_protocol import PS_ENV as PS_ENV  # re-exported: ps= when not given
 
 PARTIAL = ("unscaled", "scaled", "owed", "refund")
@@ -60,7 +62,9 @@ class ParameterServerCommunicator:
     :class:`~hvd_compress.comm.ps_transport.base.PartialSum` for a round that did not sum
     every worker's pairs or refused this worker's push as late (the sparse schemes keep
     the refused pairs in their residual). ``partial`` says what such a round applies
-    (:data:`PARTIAL`; every worker, the late one too, gets the same result):
+    (:data:`PARTIAL`; default ``$HVD_COMPRESS_PS_PARTIAL``, which is how the optimizers of
+    both bindings are told, else ``"owed"``; every worker, the late one too, gets the same
+    result):
 
     * ``"unscaled"``: the contributors' sum, as it is (averaged over all ``W`` workers:
       a round with ``K`` contributors takes a ``K / W`` step). Exact conservation: the
@@ -97,12 +101,15 @@ class ParameterServerCommunicator:
     """
 
     def __init__(self, dense: Communicator, client: ShardedClient, session: str,
-                 partial: str = DEFAULT_PARTIAL) -> None:
+                 partial: str | None = None) -> None:
         if client.worker != dense.rank:
             raise ValueError(f"parameter-server worker id {client.worker} differs from the "
                              f"rank {dense.rank}; each rank must push as its own worker")
+        source = "partial"
+        if partial is None:  # what the bindings pass: the environment, else the default
+            partial, source = os.environ.get(PARTIAL_ENV) or DEFAULT_PARTIAL, f"${PARTIAL_ENV}"
         if partial not in PARTIAL:
-            raise ValueError(f"partial must be one of {', '.join(PARTIAL)} (what a round "
+            raise ValueError(f"{source} must be one of {', '.join(PARTIAL)} (what a round "
                              f"closed without every worker applies), got {partial!r}")
         self.dense, self.client, self.session = dense, client, session
         self.partial = partial
