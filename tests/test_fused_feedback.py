@@ -10,6 +10,7 @@ import torch
 from hvd_compress import Compression
 from hvd_compress.native import tensors as kernels
 from hvd_compress.schemes import packed
+from hvd_compress.schemes.base import write_scaled
 from hvd_compress.schemes.packed import PackedScheme
 from tests.threaded import make_pipelines, on_threads
 
@@ -119,13 +120,41 @@ def test_kernels_give_the_same_bits_on_any_thread_count(codec: PackedScheme) -> 
         assert_same(total, results[0][2])
 
 
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: f"{c.name}-{c.bucket_size}")
+@pytest.mark.parametrize("special", [False, True])
+def test_kept_payloads_write_and_total_as_the_decoded_tensor(codec: PackedScheme,
+                                                             special: bool) -> None:
+    """A :class:`~hvd_compress.schemes.packed.PackedContribution` (the fused path's
+    aggregate) writes what the decoded tensor writes, bit for bit, and its total is the
+    decoded values' sum (non-finite exactly when one of them is)."""
+    sizes = [4099, 0, 1000, 7]
+    shape = torch.Size([sum(sizes)])
+    payloads = [codec.encode(values(n, n, special), torch.Generator().manual_seed(n))
+                for n in sizes]
+    kept = packed.PackedContribution(codec, codec.kernel, payloads, sizes, shape)
+    decoded = torch.cat([codec.decode(p, n) for p, n in zip(payloads, sizes)])
+    assert_same(kept.materialize(), decoded)
+    for scale in (1.0, 0.5, 1 / 3):
+        expected = write_scaled(decoded, torch.full(shape, 7.0), scale)
+        assert_same(kept.write(torch.full(shape, 7.0), scale), expected)
+        half = kept.write(torch.zeros(shape, dtype=torch.float16), scale)  # not decoded into
+        assert_same(half.float(), write_scaled(decoded, torch.zeros_like(half), scale).float())
+    got = kept.total()
+    assert got.dtype == torch.float32 and got.shape == ()
+    assert bool(got.isfinite()) == bool(decoded.isfinite().all())
+    if not special:
+        want = decoded.double().sum()
+        assert abs(float(got) - float(want)) <= 1e-6 * float(decoded.abs().double().sum())
+
+
 MODEL = {"w": (37, 53), "b": (7,), "zero": (130,), "big": (81, 1003)}
 
 
-def train(codec: PackedScheme, size: int, steps: int = 4) -> list[tuple]:
+def train(codec: PackedScheme, size: int, steps: int = 4, into: bool = False) -> list[tuple]:
     """Every rank's aggregates, residuals and scheme state after each step, the tensors
-    submitted one by one (no fusion buffer)."""
-    pipes = make_pipelines(codec, size, bucket_bytes=None)
+    submitted one by one (no fusion buffer). ``into``: averaged, written into float32
+    buffers of their own (the optimizer's way), else summed and returned."""
+    pipes = make_pipelines(codec, size, bucket_bytes=None, average=into)
 
     def work(rank: int) -> list[tuple]:
         gen = torch.Generator().manual_seed(rank)
@@ -134,7 +163,13 @@ def train(codec: PackedScheme, size: int, steps: int = 4) -> list[tuple]:
             grads = {name: torch.randn(shape, generator=gen) * 1e-2 for name, shape in
                      MODEL.items()}
             grads["zero"].zero_()
-            result = pipes[rank].reduce(grads)
+            if into:
+                for name, grad in grads.items():
+                    pipes[rank].submit(name, grad)
+                result = pipes[rank].wait({name: torch.full(grad.shape, 7.0)
+                                           for name, grad in grads.items()})
+            else:
+                result = pipes[rank].reduce(grads)
             state = pipes[rank].state_dict()
             out.append((result, state["residuals"], state["scheme_state"]))
         return out
@@ -142,11 +177,12 @@ def train(codec: PackedScheme, size: int, steps: int = 4) -> list[tuple]:
     return on_threads(size, work)
 
 
+@pytest.mark.parametrize("into", [False, True], ids=["returned", "into"])
 @pytest.mark.parametrize("size", [1, 2, 3])
 @pytest.mark.parametrize("codec", [CODECS[0], CODECS[2], CODECS[5]],
                          ids=lambda c: f"{c.name}-{c.bucket_size}")
 def test_fused_training_steps_are_bit_identical_to_the_reference(
-        codec: PackedScheme, size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+        codec: PackedScheme, size: int, into: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
     fused_allreduce = packed.fused_allreduce
 
@@ -155,10 +191,10 @@ def test_fused_training_steps_are_bit_identical_to_the_reference(
         return (yield from fused_allreduce(*args))
 
     monkeypatch.setattr(packed, "fused_allreduce", counted)
-    fused = train(codec, size)
+    fused = train(codec, size, into=into)
     assert calls and set(calls) == {codec.kernel}
     monkeypatch.setattr(packed, "FUSED", False)
-    reference = train(codec, size)
+    reference = train(codec, size, into=into)
     assert len(calls) == len(MODEL) * 4 * size  # the reference took the unfused path
     for rank_fused, rank_reference in zip(fused, reference):
         for (agg, res, st), (agg_r, res_r, st_r) in zip(rank_fused, rank_reference):

@@ -30,7 +30,8 @@ def empty(numel: int, dtype: torch.dtype, device: torch.device | str = "cpu",
     """A flat uninitialised tensor; on the CPU from ``pool_min_bytes`` (default
     :data:`POOL_MIN_BYTES`) on, over recycled memory (the module docstring). Not resizable,
     as any tensor over borrowed memory."""
-    if torch.device(device).type != "cpu" or numel * dtype.itemsize < pool_min_bytes:
+    if numel * dtype.itemsize < pool_min_bytes or \
+            (device != "cpu" and torch.device(device).type != "cpu"):
         return torch.empty(numel, dtype=dtype, device=device)
     return torch.frombuffer(_POOL.lend(numel * dtype.itemsize), dtype=dtype, count=numel)
 

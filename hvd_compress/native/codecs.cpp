@@ -398,6 +398,35 @@ void decode(const C& codec, const uint8_t* payload, int64_t n, int64_t bucket, i
               [](float* __restrict o, int64_t i, float d) { o[i] = d; });
 }
 
+// The float64 sum of every decoded value of a payload (NaN when one is NaN, or infinities
+// of both signs meet), reading only the payload: each tile's sum in element order, then
+// the tiles' sums in tile order, so the result does not depend on the thread count.
+template <class C>
+double total(const C& codec, const uint8_t* payload, int64_t n, int64_t bucket, int bits,
+             int threads) {
+  const Layout layout{bits, n};
+  const Tiling tiling(n, bucket, layout.group());
+  std::vector<double> sums(tiling.tiles, 0.0);
+  const int a = decode_a(codec), b = decode_b(codec);
+  for_each_tile(layout, bucket, threads, [&](uint8_t* codes, int64_t e0, int64_t count,
+                                             int64_t padded) {
+    double sum = 0.0;
+    decode_tile(codec, layout, payload, bucket, codes, e0, count, padded,
+                [&](int64_t, const uint8_t* __restrict c, int64_t len, float scale) {
+                  // Integer code sums first: sum_i (a c_i + b) * scale, exactly as a
+                  // double when the codes' sum is exact (it is: at most 255 * len).
+                  int64_t codes_sum = 0;
+                  for (int64_t i = 0; i < len; ++i) codes_sum += c[i];
+                  const double units = static_cast<double>(a * codes_sum + b * len);
+                  sum += units * static_cast<double>(scale);
+                });
+    sums[e0 / tiling.tile] = sum;
+  });
+  double out = 0.0;
+  for (const double s : sums) out += s;
+  return out;
+}
+
 // The fused error-feedback passes. Each value a decode writes is float(a * c + b) *
 // decode_scale(scale), and these kernels use exactly that value, so they equal the unfused
 // sequence (decode into a tensor, then torch's float32 add or subtract) bit for bit: one
@@ -502,6 +531,23 @@ void hvdc_terngrad_encode(const float* x, int64_t n, int64_t bucket, uint8_t* ou
 void hvdc_terngrad_decode(const uint8_t* payload, int64_t n, int64_t bucket, float* out,
                           int threads) {
   decode(TernGrad{0.0, Key{0}}, payload, n, bucket, 0, out, threads);
+}
+
+// total (above) takes decode's arguments with one double as its output.
+
+void hvdc_onebit_total(const uint8_t* payload, int64_t n, int64_t bucket, double* out,
+                       int threads) {
+  *out = total(OneBit{}, payload, n, bucket, 1, threads);
+}
+
+void hvdc_qsgd_total(const uint8_t* payload, int64_t n, int64_t bucket, double* out,
+                     int threads, int bits) {
+  *out = total(Qsgd{(1 << (bits - 1)) - 1, false, Key{0}}, payload, n, bucket, bits, threads);
+}
+
+void hvdc_terngrad_total(const uint8_t* payload, int64_t n, int64_t bucket, double* out,
+                         int threads) {
+  *out = total(TernGrad{0.0, Key{0}}, payload, n, bucket, 0, threads);
 }
 
 // The fused error-feedback kernels (see subtract and reduce above): subtract takes

@@ -73,6 +73,20 @@ def subtract(kernel: str, payload: torch.Tensor, x: torch.Tensor, bucket_size: i
     return x
 
 
+def total(kernel: str, payload: torch.Tensor, numel: int, bucket_size: int,
+          *options: int) -> float:
+    """Run ``hvdc_<kernel>_total``: the sum of the ``numel`` values a checked CPU payload
+    decodes to, accumulated in float64 from the payload alone (no decoded tensor): NaN or
+    infinite when a decoded value is (a sum of finite values is finite). Equal to the
+    decoded values' exact sum within float64 rounding, not to torch's float32 sum."""
+    payload = payload.contiguous()
+    out = ctypes.c_double()
+    fn = getattr(library(), f"hvdc_{kernel}_total")
+    fn(payload.data_ptr(), numel, bucket_size, ctypes.addressof(out), torch.get_num_threads(),
+       *options)
+    return out.value
+
+
 def reduce(kernel: str, payloads: Sequence[torch.Tensor], numel: int, bucket_size: int,
            residual: torch.Tensor | None, encoded: torch.Tensor | None,
            *options: int | float) -> torch.Tensor:

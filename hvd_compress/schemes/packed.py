@@ -208,10 +208,26 @@ class PackedContribution:
         return out.view(self.shape)
 
     def total(self) -> torch.Tensor:
-        return self.materialize().sum()
+        """The sum of the decoded values as a float32 scalar, from the payloads alone
+        (:func:`~hvd_compress.native.tensors.total`: summed in float64, then rounded); NaN
+        or infinite exactly when a decoded value is, or when the sum overflows float32."""
+        options = self.codec.decode_options()
+        return torch.tensor(sum(kernels.total(self.kernel, p, n, self.codec.bucket_size,
+                                              *options)
+                                for p, n in zip(self.payloads, self.sizes) if n),
+                            dtype=torch.float32)
 
     def write(self, out: torch.Tensor, scale: float) -> torch.Tensor:
-        return write_scaled(self.materialize(), out, scale)
+        """``out = scale * self``, bit for bit as :func:`write_scaled` of the decoded
+        tensor; a contiguous float32 CPU ``out`` (of :attr:`shape`) is decoded into
+        directly, without a decoded tensor of its own."""
+        if not (out.dtype == torch.float32 and out.is_contiguous() and kernels.active(out)):
+            return write_scaled(self.materialize(), out, scale)
+        for p, part in zip(self.payloads, _parts(out.view(-1), self.sizes)):
+            if part.numel():
+                kernels.decode(self.kernel, p, part.numel(), self.codec.bucket_size,
+                               *self.codec.decode_options(), out=part)
+        return out.mul_(scale) if scale != 1.0 else out
 
     def subtract_from(self, x: torch.Tensor) -> torch.Tensor:
         """``x -= self`` in place (``x`` of :attr:`shape`); returns ``x``."""
@@ -281,6 +297,12 @@ def fused_allreduce(codec: PackedScheme, kernel: str, x: torch.Tensor,
     new_state = {CHUNK_RESIDUAL: chunk_sum} if codec.error_feedback else {}
 
     gathered = yield AllGather("gather", reencoded, payload_sizes)
+    if type(codec).expand is PackedScheme.expand and \
+            all(_checked(codec, [p], n) for p, n in zip(gathered, sizes) if n):
+        # Kept as the payloads: the pipeline's check sums them without decoding, and its
+        # write decodes them straight into the gradient.
+        aggregate = PackedContribution(codec, kernel, gathered, sizes, x.shape)
+        return Outcome(aggregate, sent, sum(payload_sizes), new_state)
     aggregate = buffers.empty(flat.numel(), torch.float32,
                               pool_min_bytes=kernels.STEP_POOL_MIN_BYTES)
     for p, part in zip(gathered, _parts(aggregate, sizes)):
