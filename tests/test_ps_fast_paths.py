@@ -65,6 +65,58 @@ def test_merge_sum_is_the_list_order_float32_sum(density):
         assert np.array_equal(values.view(np.uint32), expected_values.view(np.uint32))
 
 
+def _two_lists(rng, case: str) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Two lists of at least 4096 pairs in all (sparse.cpp's merge_two) shaped by ``case``."""
+    numel = 1 << 20
+    a = np.sort(rng.choice(numel, 6000, replace=False)).astype(np.int64)
+    b = np.sort(rng.choice(numel, 5000, replace=False)).astype(np.int64)
+    if case == "same":  # every index in both
+        b = a.copy()
+    elif case == "apart":  # every index of b above a's
+        b = a[-1] + 1 + np.arange(5000, dtype=np.int64)
+    elif case == "skewed":  # one short list inside a long one
+        b = a[rng.choice(a.size, 40, replace=False)]
+        b.sort()
+    elif case == "shared":  # half of b in a
+        b = np.union1d(a[::2], b[:2500]).astype(np.int64)
+    pairs = []
+    for idx in (a, b):
+        values = rng.standard_normal(idx.size).astype(np.float32)
+        values[rng.random(idx.size) < 0.05] = -0.0
+        values[rng.random(idx.size) < 0.01] = np.nan
+        pairs.append((idx, values))
+    return pairs
+
+
+@pytest.mark.parametrize("case", ["random", "same", "apart", "skewed", "shared"])
+@pytest.mark.parametrize("swap", [False, True])
+def test_two_list_merge_is_the_accumulators_sum(case, swap):
+    """Two lists take merge_two (side-by-side branch-free merges); any overlap, either list
+    the longer, -0.0 and NaN values give the reference sums and the accumulator's bits (the
+    same lists with an empty third one)."""
+    rng = np.random.default_rng(["random", "same", "apart", "skewed", "shared"].index(case))
+    pairs = _two_lists(rng, case)[::-1 if swap else 1]
+    indices, values = native_sparse.merge_sum(pairs)
+    expected_indices, expected_values = _reference_sum(pairs)
+    assert np.array_equal(indices, expected_indices)
+    assert np.array_equal(values.view(np.uint32), expected_values.view(np.uint32))
+    empty = (np.zeros(0, np.int64), np.zeros(0, np.float32))
+    acc_indices, acc_values = native_sparse.merge_sum([*pairs, empty])
+    assert np.array_equal(indices, acc_indices)
+    assert np.array_equal(values.view(np.uint32), acc_values.view(np.uint32))
+
+
+@pytest.mark.parametrize("at", [0, 3000, 5999])
+def test_two_list_merge_refuses_a_repeated_or_decreasing_index(at):
+    rng = np.random.default_rng(at)
+    (a, va), (b, vb) = _two_lists(rng, "random")
+    for bad in (a[at - 1], a[at - 1] - 1) if at else (a[1], a[1] + 1):
+        broken = a.copy()
+        broken[at] = bad
+        with pytest.raises(ValueError, match="increasing"):
+            native_sparse.merge_sum([(b, vb), (broken, va)])
+
+
 def test_merge_sum_fills_whole_words_and_the_last_word_of_a_block():
     full = np.arange(8192 * 2, dtype=np.int64)  # every bit of every word of two blocks
     ones = np.ones(full.size, np.float32)

@@ -66,9 +66,113 @@ int64_t emit(int64_t pairs, int64_t base, float* acc, uint64_t* marked, int64_t*
     return emit_block<8, true>(base, acc, marked, out_idx, out_val);  // few words empty
 }
 
+// Two lists of at least this many pairs in all go to merge_two, fewer to the accumulator.
+constexpr int64_t kMergeTwoMin = 4096;
+// Merges merge_two runs side by side, each writing one pair of slack past its output.
+// More than 2 are slower on x86-64: their cursors no longer fit in registers.
+constexpr int kStreams = 2;
+static_assert(kStreams <= kMergeSlack, "merge_two's streams need a pair of slack each");
+
+// Whether idx[0, count) is strictly increasing.
+bool strictly_increasing(const int64_t* idx, int64_t count) {
+    int64_t bad = 0;
+    for (int64_t j = 1; j < count; ++j) bad |= idx[j] <= idx[j - 1];
+    return !bad;
+}
+
+// The cursors of one of merge_two's merges: list a at ia (up to ea), b at ib (up to eb),
+// the output at `at`.
+struct Stream {
+    int64_t ia, ea, ib, eb, at;
+};
+
+// One output pair of a merge_two stream, without a branch: the lower next index of the
+// two lists, (0.0f + a's value) + b's value with 0.0f for a list without it. CHECKED: a
+// list may be finished (its next index is then INT64_MAX, and a stream whose lists are
+// both finished writes in its slack without advancing); else both hold a pair.
+template <bool CHECKED>
+inline void merge_step(Stream& t, const int64_t* a, const float* va, const int64_t* b,
+                       const float* vb, int64_t* out_idx, float* out_val) {
+    static const int64_t kNone = INT64_MAX;
+    static const float kZero = 0.0f;
+    const bool ha = !CHECKED || t.ia < t.ea, hb = !CHECKED || t.ib < t.eb;
+    // Pointers chosen, then loaded: a finished list reads the constants above.
+    const int64_t x = *(ha ? a + t.ia : &kNone), y = *(hb ? b + t.ib : &kNone);
+    uint32_t ux, uy;
+    std::memcpy(&ux, ha ? va + t.ia : &kZero, 4);
+    std::memcpy(&uy, hb ? vb + t.ib : &kZero, 4);
+    const uint32_t tx = x <= y, ty = y <= x;
+    ux &= 0u - tx;
+    uy &= 0u - ty;
+    float fx, fy;
+    std::memcpy(&fx, &ux, 4);
+    std::memcpy(&fy, &uy, 4);
+    out_idx[t.at] = tx ? x : y;
+    out_val[t.at] = (0.0f + fx) + fy;
+    t.ia += tx;
+    t.ib += ty;
+    t.at += !CHECKED || (ha | hb);
+}
+
+// hvdc_merge_sum of two lists (a, na) and (b, nb), the same bits as the accumulator. The
+// index range is cut at indices of the longer list into kStreams parts, merged side by
+// side without a branch per pair, so that one part's load-compare-advance chain runs
+// while another's waits. Each writes its union to its own stretch of the output (its
+// pairs and one of slack); the stretches are then moved together. The steps run in
+// batches that no list can finish inside, without the checks of a finished list, and
+// the last few dozen with them.
+int64_t merge_two(const int64_t* a, const float* va, int64_t na, const int64_t* b,
+                  const float* vb, int64_t nb, int64_t* out_idx, float* out_val) {
+    if (!strictly_increasing(a, na) || !strictly_increasing(b, nb)) return -1;
+    const int64_t* const longer = na >= nb ? a : b;
+    const int64_t nl = std::max(na, nb);
+    Stream t[kStreams];
+    int64_t from[kStreams], o = 0;
+    for (int p = 0; p < kStreams; ++p) {
+        t[p].ia = p ? t[p - 1].ea : 0;
+        t[p].ib = p ? t[p - 1].eb : 0;
+        if (p + 1 < kStreams) {
+            const int64_t cut = longer[nl * (p + 1) / kStreams];
+            t[p].ea = std::lower_bound(a, a + na, cut) - a;
+            t[p].eb = std::lower_bound(b, b + nb, cut) - b;
+        } else {
+            t[p].ea = na;
+            t[p].eb = nb;
+        }
+        t[p].at = from[p] = o;
+        o += t[p].ea - t[p].ia + t[p].eb - t[p].ib + 1;
+    }
+    for (;;) {  // a step takes at most one pair of each list
+        int64_t safe = INT64_MAX;
+        for (const Stream& s : t) safe = std::min({safe, s.ea - s.ia, s.eb - s.ib});
+        if (safe < 32) break;
+        for (int64_t s = 0; s < safe; ++s)
+#pragma GCC unroll 8
+            for (int p = 0; p < kStreams; ++p)
+                merge_step<false>(t[p], a, va, b, vb, out_idx, out_val);
+    }
+    int64_t steps = 0;
+    for (const Stream& s : t) steps = std::max(steps, s.ea - s.ia + s.eb - s.ib);
+    for (int64_t s = 0; s < steps; ++s)
+#pragma GCC unroll 8
+        for (int p = 0; p < kStreams; ++p)
+            merge_step<true>(t[p], a, va, b, vb, out_idx, out_val);
+    int64_t n = t[0].at;
+    for (int p = 1; p < kStreams; ++p) {
+        const int64_t count = t[p].at - from[p];
+        std::memmove(out_idx + n, out_idx + from[p], size_t(count) * 8);
+        std::memmove(out_val + n, out_val + from[p], size_t(count) * 4);
+        n += count;
+    }
+    return n;
+}
+
 // The body of hvdc_merge_sum (see there).
 int64_t merge_lists(int64_t lists, const int64_t* const* idx, const float* const* val,
                     const int64_t* counts, int64_t* out_idx, float* out_val) {
+    if (lists == 2 && counts[0] + counts[1] >= kMergeTwoMin)
+        return merge_two(idx[0], val[0], counts[0], idx[1], val[1], counts[1], out_idx,
+                         out_val);
     std::vector<int64_t> cursor(size_t(lists), 0);
     std::vector<float> acc(kBlock, 0.0f);
     std::vector<uint64_t> marked(kWords, 0);
