@@ -66,6 +66,7 @@ from hvd_compress.comm.two_level import (
 )
 from hvd_compress.errors import NonFiniteGradientError
 from hvd_compress.fusion import assign_buckets
+from hvd_compress.native import buffers
 from hvd_compress.pipeline import DEFAULT_BUCKET_BYTES, DEFAULT_REPORT_EVERY, Pipeline
 from hvd_compress.policy import Auto, Policy, Routes
 from hvd_compress.schemes.base import Scheme, write_scaled
@@ -664,8 +665,8 @@ class HierarchicalPipeline:
                 ) -> dict[str, torch.Tensor]:
         """Every tensor's aggregate (flat, in its gradient's dtype), the local ranks' pieces
         all-gathered inside the host, one all-gather per dtype."""
-        flat = {n: torch.empty(tensors[n].grad.numel(), dtype=tensors[n].grad.dtype,
-                               device=tensors[n].grad.device) for n in names}
+        flat = {n: buffers.empty(tensors[n].grad.numel(), tensors[n].grad.dtype,
+                                 tensors[n].grad.device) for n in names}
         by_dtype: dict[torch.dtype, list[Piece]] = {}
         for name in names:
             by_dtype.setdefault(flat[name].dtype, []).extend(self._pieces[name])
@@ -675,7 +676,7 @@ class HierarchicalPipeline:
                 sizes[p.owner] += p.numel
             mine = [results[p.key].reshape(-1) for p in pieces if p.owner == self.local.rank]
             device = flat[pieces[0].tensor].device
-            sent = torch.cat(mine) if mine else torch.empty(0, dtype=dtype, device=device)
+            sent = buffers.cat(mine) if mine else torch.empty(0, dtype=dtype, device=device)
             if self.local.size == 1:
                 parts = [sent]
             else:

@@ -35,6 +35,13 @@ def test_two_hosts_of_two_ranks_agree_resume_and_match_the_flat_route() -> None:
         assert first["stats"]["layout"]["hosts"] == 2
         assert stats["collective_bytes"]["host"] > 0, spec
         assert stats["compressed_tensors"] > 0 or spec == "none", spec
+    # The in-host stage over shared memory (the default here) gives the loopback route's
+    # bits.
+    for spec in ("none", "onebit:bucket_size=64", "topk:ratio=0.05"):
+        assert ranks[0][spec]["stats"]["local"] == "ShmHostCommunicator", spec
+        for rank in ranks:
+            for name, value in rank[spec]["loopback"].items():
+                assert torch.equal(rank[spec]["two"][name], value), (spec, name)
     none = ranks[0]["none"]
     for name, value in none["flat"].items():
         assert torch.equal(none["two"][name], value), name

@@ -45,6 +45,7 @@ import torch
 
 from hvd_compress.comm.ops import AllGather, AllReduce, AllToAll, Collective
 from hvd_compress.comm.two_level import sum_in_order
+from hvd_compress.native import buffers
 
 SHM_ENV = "HVD_COMPRESS_HOST_SHM"
 """``auto`` (default): shared memory inside a host where its ranks share ``/dev/shm``;
@@ -287,7 +288,7 @@ class ShmHostCommunicator:
         device = op.tensor.device
         if isinstance(op, AllToAll):
             lo, hi = self._split(handle.name, op, tensor)
-            parts = [torch.empty(hi - lo, dtype=tensor.dtype) for _ in range(self.size)]
+            parts = [buffers.empty(hi - lo, tensor.dtype) for _ in range(self.size)]
             into = [_bytes(p) for p in parts]
             item = tensor.element_size()
 
@@ -331,7 +332,7 @@ class ShmHostCommunicator:
         lo, hi = self._split(handle.name, op, tensor)
         dtype = tensor.dtype
         wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-        summed = torch.empty(hi - lo, dtype=wide)
+        summed = buffers.empty(hi - lo, wide)
         item = tensor.element_size()
 
         def take(source: int, offset: int, window: torch.Tensor) -> None:
@@ -359,17 +360,17 @@ class ShmHostCommunicator:
 
     def _gather(self, name: str, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's flat tensor (of this one's dtype), in local rank order."""
-        buffers: list[torch.Tensor] = []
+        received: list[torch.Tensor] = []
 
-        def begin(sizes: list[int]) -> None:
-            buffers.extend(torch.empty(n, dtype=torch.uint8) for n in sizes)
+        def begin(sizes: list[int]) -> None:  # recycled pages: no faults on the first write
+            received.extend(buffers.empty(n, torch.uint8) for n in sizes)
 
         def take(source: int, offset: int, window: torch.Tensor) -> None:
-            buffers[source][offset:offset + window.numel()].copy_(window)
+            received[source][offset:offset + window.numel()].copy_(window)
 
         self._exchange(name, _bytes(tensor), take, begin)
         return [b.view(tensor.dtype) if b.numel() else torch.empty(0, dtype=tensor.dtype)
-                for b in buffers]
+                for b in received]
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:

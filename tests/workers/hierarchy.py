@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import horovod.torch as hvd
@@ -13,6 +14,8 @@ from hvd_compress import Compression, Policy
 from hvd_compress.torch import DistributedOptimizer
 
 SHAPES = {"w": (64, 48), "v": (33, 40), "b": (48,), "row": (1, 512)}
+LOOPBACK = ("none", "onebit:bucket_size=64", "topk:ratio=0.05")
+"""Schemes also run with the in-host stage over loopback TCP ($HVD_COMPRESS_HOST_SHM=0)."""
 
 
 class _Linear(nn.Module):
@@ -47,7 +50,8 @@ def _train(spec: str, hierarchy: str | None, first: int, count: int,
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     pipeline = opt._pipeline  # type: ignore[attr-defined]
     stats = {**opt.compression_stats.to_dict(), "cross": type(pipeline.comm).__name__,
-             "layout": pipeline.layout() if hierarchy else None}
+             "layout": pipeline.layout() if hierarchy else None,
+             "local": type(pipeline.local).__name__ if hierarchy else None}
     return params, {"model": model.state_dict(), "opt": opt.state_dict()}, stats
 
 
@@ -61,6 +65,12 @@ def steps(specs: list[str], ps: str | None = None) -> dict[str, Any]:
         _, state, _ = _train(spec, "host", 0, 1, ps=server)
         resumed, _, _ = _train(spec, "host", 1, 2, start=state, ps=server)
         out[spec] = {"two": two, "resumed": resumed, "stats": stats}
+        if spec in LOOPBACK:  # the in-host stage over Horovod's process set instead
+            os.environ["HVD_COMPRESS_HOST_SHM"] = "0"
+            try:
+                out[spec]["loopback"] = _train(spec, "host", 0, 3, ps=server)[0]
+            finally:
+                del os.environ["HVD_COMPRESS_HOST_SHM"]
         if spec == "none" or spec.startswith("powersgd"):
             out[spec]["flat"] = _train(spec, None, 0, 3)[0]
     # A host's last all-gather may still run when the other host's ranks are done: no
