@@ -30,12 +30,20 @@ import torch
 from hvd_compress.comm.base import Communicator
 from hvd_compress.comm.ops import AllToAll, Collective, nbytes
 from hvd_compress.errors import NonFiniteGradientError
-from hvd_compress.feedback import ErrorFeedback, KeepsResidual, payload_distance, watch_scatter
+from hvd_compress.feedback import (
+    Commit,
+    ErrorFeedback,
+    KeepsResidual,
+    norms_of,
+    payload_distance,
+    watch_scatter,
+)
 from hvd_compress.fusion import assign_buckets, fuse, fused_name, fusion_key, split_result
 from hvd_compress.policy import DENSE_SCHEME, Auto, Decision, LinkModel, Policy, routes_for
 from hvd_compress.schemes.base import (
     Exchange,
     ExchangeContext,
+    LowRank,
     Outcome,
     Scattered,
     Scheme,
@@ -52,6 +60,9 @@ STATE_VERSION = 1
 DEFAULT_BUCKET_BYTES = 64 << 20
 """64 MiB, Horovod's default fusion threshold (``HOROVOD_FUSION_THRESHOLD``)."""
 
+FLOAT32_MAX = torch.finfo(torch.float32).max
+"""The largest finite float32: an aggregate whose norm exceeds it is checked element by
+element (:meth:`Pipeline._check_finite`)."""
 DEFAULT_REPORT_EVERY = 10
 """Steps between measurements of the compression error of a tensor without error feedback
 (``report_every`` of :class:`Pipeline` and of every binding's wrapper)."""
@@ -469,12 +480,18 @@ class Pipeline:
             self._current.collective_bytes[flight.request.round] += nbytes(flight.request)
             flight.request = None
         names = [f.name for f in members]
-        if len(members) == 1:
+        if len(members) == 1 and len(members[0].parts or ()) < 2:
             name, op = f"hvdc.{names[0]}.{requests[0].round}", requests[0]
         else:
-            name = fused_name(bucket.index, bucket.phase, names, requests)
-            op = fuse(requests, self.comm.rank, self.comm.size,
-                      f"{bucket.describe()} ({name}, tensors {names})")
+            # A batch is named by all its tensors and their sizes, so that ranks that
+            # disagree on its content start different names (the fusion module notes).
+            name = fused_name(bucket.index, bucket.phase, [
+                f.name if f.parts is None else "+".join(f"{p.name}:{p.x.numel()}"
+                                                        for p in f.parts)
+                for f in members], requests)
+            op = requests[0] if len(members) == 1 else fuse(
+                requests, self.comm.rank, self.comm.size,
+                f"{bucket.describe()} ({name}, tensors {names})")
         handle = self.comm.start(name, op)
         self._current.collectives += 1
         self._current.seconds["fuse"] += time.perf_counter() - started
@@ -506,19 +523,35 @@ class Pipeline:
         """Raise :class:`NonFiniteGradientError` if any aggregate holds a NaN or an
         infinity.
 
-        A sum is NaN or infinite whenever one of its terms is, so one sum per tensor (a
-        single read, no tensor of flags) clears every finite aggregate; only a tensor whose
-        sum is not finite (a non-finite element, or a sum beyond float32's range) is looked
-        at element by element. One device-to-host transfer for the whole step.
+        A norm is NaN or infinite whenever one of its terms is, so one norm per aggregate
+        (or per factor of a :class:`LowRank` one, whose entries are bounded by the product
+        of its factors' norms) clears every finite aggregate; only a tensor whose norm is
+        not finite (a non-finite element, or a norm beyond float32's range) is looked at
+        element by element. The norms of the whole step are one ``torch._foreach_norm``
+        (no Python per tensor) and one device-to-host transfer.
         """
         if not flights:
             return
-        sums = torch.stack([total(f.outcome.aggregate).to(torch.float32) for f in flights])
-        finite = sums.isfinite().cpu().tolist()
-        if all(finite):
-            return
-        bad = [f for f, ok in zip(flights, finite)
-               if not ok and not bool(materialize(f.outcome.aggregate).isfinite().all())]
+        parts: list[torch.Tensor] = []
+        for f in flights:
+            assert f.outcome is not None
+            value = f.outcome.aggregate
+            if isinstance(value, torch.Tensor):
+                parts.append(value)
+            elif isinstance(value, LowRank):
+                parts += (value.left, value.right)
+            else:
+                parts.append(total(value))
+        norms = norms_of(parts)
+        bad, at = [], 0
+        for f in flights:
+            value = f.outcome.aggregate  # type: ignore[union-attr]
+            if isinstance(value, LowRank):
+                bound, at = norms[at] * norms[at + 1], at + 2
+            else:
+                bound, at = norms[at], at + 1
+            if not bound <= FLOAT32_MAX and not bool(materialize(value).isfinite().all()):
+                bad.append(f)
         if not bad:
             return
         local = [f.name for f in bad if not bool(f.x.isfinite().all())]
@@ -531,14 +564,16 @@ class Pipeline:
         results: dict[str, torch.Tensor] = {}
         stats = self._current
         scale = self.prescale / (self.comm.size if self.average else 1)
+        commits: list[Commit] = []  # error feedback's, all at once after the loop
+        copies: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # (out, aggregate)
         for flight in flights:
             outcome = flight.outcome
             assert outcome is not None
             name, scheme = flight.name, flight.scheme
             if flight.feedback:
                 sent = outcome.sent if scheme.error_feedback else None
-                self.feedback.commit_sent(name, flight.x, sent, scheme.name,
-                                          self.feedback.due(name, self.report_every))
+                commits.append(Commit(name, flight.x, sent, scheme.name,
+                                      self.feedback.due(name, self.report_every)))
             elif not isinstance(scheme, NoCompression) and self._reports(name, scheme):
                 reported = time.perf_counter()
                 self._report(flight, outcome)  # before _result may write into the gradient
@@ -546,7 +581,15 @@ class Pipeline:
             if outcome.state:
                 self._scheme_state[name] = outcome.state
             self._steps[name] += 1
-            results[name] = self._result(outcome, flight.grad, into.get(name), scale)
+            out = into.get(name)
+            value = outcome.aggregate
+            if out is not None and isinstance(value, torch.Tensor) and value.dtype == out.dtype \
+                    and value.device == out.device:
+                copies[0].append(out)  # written below, all at once
+                copies[1].append(value.view(out.shape))
+                results[name] = out
+            else:
+                results[name] = self._result(outcome, flight.grad, out, scale)
             stats.payload_bytes += outcome.payload_bytes
             stats.dense_bytes += 4 * flight.grad.numel()
             if isinstance(outcome.sent, Scattered):
@@ -556,6 +599,11 @@ class Pipeline:
                 stats.dense_tensors += 1
             else:
                 stats.compressed_tensors += 1
+        self.feedback.commit_many(commits)
+        if copies[0]:  # write_scaled's arithmetic, one call for all the tensors
+            torch._foreach_copy_(copies[0], copies[1])
+            if scale != 1.0:
+                torch._foreach_mul_(copies[0], scale)
         stats.seconds["commit"] += time.perf_counter() - started
         self.total.add(stats)
         self.last_step, self._current = stats, StepStats()

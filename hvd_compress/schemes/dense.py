@@ -7,7 +7,7 @@ faults and zeroing than the conversion itself.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Generator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -43,16 +43,53 @@ class ReadyMade:
         return self
 
 
+BATCH_UP_TO = 1 << 16
+"""The most elements of a tensor that :class:`NoCompression` sends in its bucket's batch
+(:meth:`NoCompression.exchange_many`); larger ones keep a request of their own."""
+
+
 class NoCompression(ReadyMade, Scheme):
-    """Plain all-reduce in the tensor's own dtype; also the route for tensors sent dense."""
+    """Plain all-reduce in the tensor's own dtype; also the route for tensors sent dense.
+
+    A bucket's small tensors (at most :data:`BATCH_UP_TO` elements: biases, layer norms,
+    the tensors a policy sends dense) go through :meth:`exchange_many` at once
+    (:mod:`hvd_compress.schemes.batched`): one flat buffer, one request, and each result a
+    view of the sum, instead of a generator, a request and a fused slice per tensor. The
+    sums are those of the per-tensor path element for element (an all-reduce sums each
+    element over the same ranks wherever it lies in the buffer;
+    ``tests/test_dense_batched.py``). ``batch_tensors = False`` on an instance keeps the
+    per-tensor path (a performance switch, not an option).
+    """
 
     name = "none"
     sliceable = True
+    batch_tensors = True
 
     def exchange(self, x: torch.Tensor, state: Mapping[str, torch.Tensor],
                  ctx: ExchangeContext) -> Exchange:
         total = yield AllReduce("dense", x)
         return Outcome(total, None, x.numel() * x.element_size())
+
+    def batches(self, x: torch.Tensor, state: Mapping[str, torch.Tensor],
+                ctx: ExchangeContext) -> bool:
+        """Whether ``x`` travels in its bucket's batch: a small tensor (the class notes),
+        unless ``batch_tensors`` is off. Decided from the shape, alike on every rank."""
+        return self.batch_tensors and x.numel() <= BATCH_UP_TO
+
+    def exchange_many(self, xs: Sequence[torch.Tensor],
+                      states: Sequence[Mapping[str, torch.Tensor]],
+                      ctxs: Sequence[ExchangeContext]
+                      ) -> Generator[AllReduce, Any, list[Outcome]]:
+        """:meth:`exchange` of every tensor of ``xs`` (one dtype and device) at once: their
+        elements one after the other in one buffer, summed in place by one request; each
+        outcome's aggregate is a view of the sum in its tensor's shape."""
+        numels = [x.numel() for x in xs]
+        flat = torch.cat([x.reshape(-1) for x in xs])
+        total = yield AllReduce("dense", flat, inplace=True)
+        size = flat.element_size()
+        return [Outcome(piece.view(x.shape), None, n * size)
+                for piece, x, n in zip(torch.split(total.reshape(-1), numels), xs, numels,
+                                       strict=True)]
 
     def payload_bytes(self, shape: torch.Size) -> int:
         return 4 * shape.numel()
