@@ -677,6 +677,11 @@ class HierarchicalPipeline:
             mine = [results[p.key].reshape(-1) for p in pieces if p.owner == self.local.rank]
             device = flat[pieces[0].tensor].device
             sent = buffers.cat(mine) if mine else torch.empty(0, dtype=dtype, device=device)
+            places: list[list[tuple[int, torch.Tensor]]] = [[] for _ in range(self.local.size)]
+            offsets = [0] * self.local.size  # each piece's place in its owner's payload
+            for p in pieces:
+                places[p.owner].append((offsets[p.owner], flat[p.tensor][p.start:p.stop]))
+                offsets[p.owner] += p.numel
             if self.local.size == 1:
                 parts = [sent]
             else:
@@ -684,12 +689,13 @@ class HierarchicalPipeline:
                 stats.collectives += 1
                 handle = self.local.start(f"hvdc.host.gather.{dtype}",
                                           AllGather(HOST_ROUND, sent, tuple(sizes)))
+                if hasattr(self.local, "wait_into"):  # straight into place (shared memory)
+                    self.local.wait_into(handle, places)
+                    continue
                 parts = list(self.local.wait(handle))
-            offsets = [0] * self.local.size
-            for p in pieces:
-                at = offsets[p.owner]
-                flat[p.tensor][p.start:p.stop] = parts[p.owner][at:at + p.numel]
-                offsets[p.owner] += p.numel
+            for owner, placed in enumerate(places):
+                for at, target in placed:
+                    target.copy_(parts[owner][at:at + target.numel()])
         return flat
 
     def reduce(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

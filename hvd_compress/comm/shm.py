@@ -350,6 +350,37 @@ class ShmHostCommunicator:
         handle.result, handle.done = None, True
         return summed.to(dtype).to(op.tensor.device)
 
+    def wait_into(self, handle: _Handle,
+                  places: Sequence[Sequence[tuple[int, torch.Tensor]]]) -> None:
+        """Run an :class:`AllGather` whose every rank's payload goes straight to where it
+        belongs, without a copy of the parts: ``places[r]`` lists ``(element offset in rank
+        r's payload, flat destination)``, destinations contiguous tensors of the payload's
+        dtype on the CPU. ``RuntimeError`` if a rank's payload does not have the elements
+        its places cover."""
+        op = handle.op
+        if not isinstance(op, AllGather):
+            raise TypeError(f"{handle.name}: wait_into needs an all-gather")
+        tensor = _flat(op.tensor)
+        item = tensor.element_size()
+        spans = [[(at * item, target.view(torch.uint8)) for at, target in placed if
+                  target.numel()] for placed in places]
+
+        def begin(sizes: list[int]) -> None:
+            want = [max((a + t.numel() for a, t in span), default=0) for span in spans]
+            if any(w > n for w, n in zip(want, sizes, strict=True)):
+                raise RuntimeError(f"{handle.name}: all-gather got {sizes} bytes per rank, "
+                                   f"its places cover {want}")
+
+        def take(source: int, offset: int, window: torch.Tensor) -> None:
+            end = offset + window.numel()
+            for at, target in spans[source]:
+                a, b = max(at, offset), min(at + target.numel(), end)
+                if a < b:
+                    target[a - at:b - at].copy_(window[a - offset:b - offset])
+
+        self._exchange(handle.name, _bytes(tensor), take, begin)
+        handle.result, handle.done = None, True
+
     def _split(self, name: str, op: AllToAll, tensor: torch.Tensor) -> tuple[int, int]:
         """The elements ``[lo, hi)`` of every sender's tensor that come to this rank."""
         if len(op.splits) != self.size or sum(op.splits) != tensor.numel():
