@@ -39,6 +39,9 @@ integer-valued gradients, so ``Compression.none`` gives the flat route's aggrega
 bit then. Which ranks share a host: Horovod's (``hvd.cross_rank()``, ``hvd.local_rank()``),
 split by network namespace (emulated hosts on one machine), or
 ``$HVD_COMPRESS_RANKS_PER_HOST`` consecutive ranks (to emulate hosts without namespaces).
+Inside a host the ranks meet in shared memory where they can
+(:class:`~hvd_compress.comm.shm.ShmHostCommunicator`, :func:`host_shm`), else over
+Horovod's process set of the host.
 Both bindings run this module's pipeline (:func:`horovod_pipeline`), each over its own
 Horovod communicator: the PyTorch optimizer, and the TensorFlow tape and Keras optimizer
 (their gradients reach it through DLPack). See docs/user-guide.md#two-level-compression.
