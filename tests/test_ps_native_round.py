@@ -429,6 +429,20 @@ def test_varint_fast_paths_match_the_numpy_coding(seed, size):
         varint_decode_indices(section, size, numel - 1)
 
 
+@pytest.mark.parametrize("size", [32, 33, 64, 1000, 5000])
+@pytest.mark.parametrize("top", [2**7, 2**14])
+def test_varint_decode_of_one_and_two_byte_gaps_matches_the_numpy_coding(size, top):
+    """Sections of varints of 1 or 2 bytes only (the AVX-512 path of hvdc_varint_decode,
+    32 at a time), and an index past numel in any block of them, refused."""
+    gaps = np.random.default_rng([size, top]).integers(0, top, size).astype(np.uint64)
+    indices = indices_of(gaps)
+    section = varint_encode(gaps)
+    assert_same_bits(varint_decode_indices(section, size, int(indices[-1]) + 1), indices)
+    for cut in {size // 2, size - 1}:
+        with pytest.raises(ValueError, match="beyond numel"):
+            varint_decode_indices(section, size, int(indices[cut]))
+
+
 def test_varint_fast_paths_on_an_empty_push():
     empty = np.zeros(0, np.int64)
     assert varint_index_nbytes(empty) == 0

@@ -451,6 +451,48 @@ enum : int64_t {
 int64_t hvdc_varint_decode(const uint8_t* data, int64_t nbytes, int64_t count, int64_t numel,
                            int64_t* out) {
     int64_t pos = 0, prev = -1, j = 0;
+#if defined(__AVX512VBMI2__) && defined(__AVX512BW__) && defined(__BMI2__)
+    // 32 varints at a time while they are all of 1 or 2 bytes (the gaps below 2**14 of
+    // densities above 1 / 2**14): each one's bytes spread into a 16-bit lane by vpexpandb
+    // (the inverse of hvdc_frame_encode's vpcompressb), its gap + 1 summed across the
+    // lanes. A block with a longer varint, a non-canonical one or too few ends goes on to
+    // the paths below, which give any error code; the block's last index is checked
+    // against numel (the indices increase).
+    while (pos + 64 <= nbytes && count - j >= 32) {
+        const __m512i block = _mm512_loadu_si512(data + pos);
+        const uint64_t more = _mm512_movepi8_mask(block);  // continuation bytes
+        const uint64_t zero = _mm512_testn_epi8_mask(block, block);
+        const uint64_t last = _pdep_u64(uint64_t(1) << 31, ~more);  // the 32nd varint's end
+        const uint64_t used = last | (last - 1);
+        if (!last || (more & more << 1 & used) || (zero & more << 1 & used)) break;
+        const uint64_t starts = (~more << 1 | 1) & used;
+        const uint64_t two = _pext_u64(more, starts);  // varint c has 2 bytes: bit c
+        const __m512i lanes = _mm512_maskz_expand_epi8(
+            _pdep_u64(two, 0xAAAAAAAAAAAAAAAAULL) | 0x5555555555555555ULL, block);
+        const __m512i step = _mm512_add_epi16(  // gap + 1
+            _mm512_or_si512(_mm512_and_si512(lanes, _mm512_set1_epi16(0x7F)),
+                            _mm512_srli_epi16(_mm512_and_si512(lanes, _mm512_set1_epi16(0x7F00)), 1)),
+            _mm512_set1_epi16(1));
+        for (int half = 0; half < 2; ++half) {
+            __m512i x = _mm512_cvtepu16_epi32(half ? _mm512_extracti64x4_epi64(step, 1)
+                                                   : _mm512_castsi512_si256(step));
+            const __m512i none = _mm512_setzero_si512();  // prefix sums over 16 lanes
+            x = _mm512_add_epi32(x, _mm512_alignr_epi32(x, none, 15));
+            x = _mm512_add_epi32(x, _mm512_alignr_epi32(x, none, 14));
+            x = _mm512_add_epi32(x, _mm512_alignr_epi32(x, none, 12));
+            x = _mm512_add_epi32(x, _mm512_alignr_epi32(x, none, 8));
+            const __m512i base = _mm512_set1_epi64(prev);
+            _mm512_storeu_si512(out + j, _mm512_add_epi64(
+                base, _mm512_cvtepu32_epi64(_mm512_castsi512_si256(x))));
+            _mm512_storeu_si512(out + j + 8, _mm512_add_epi64(
+                base, _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(x, 1))));
+            j += 16;  // the last lane's sum, not read back from `out` (a stalled load)
+            prev += _mm_extract_epi32(_mm512_extracti32x4_epi32(x, 3), 3);
+        }
+        if (prev >= numel) return kOutOfRange;
+        pos += __builtin_ctzll(last) + 1;
+    }
+#endif
 #if defined(__BMI2__) && defined(__AVX2__)
     // A block at pos reads data[pos, pos + 32) and 8-byte words from varint starts below
     // pos + 32, all inside the section; it holds at most 32 varints, all still counted.
