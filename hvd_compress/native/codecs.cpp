@@ -375,18 +375,33 @@ inline float decoded(int a, int b, uint8_t c, float scale) {
   return static_cast<float>(a * c + b) * scale;
 }
 
+// decoded(a, b, c, scale) of a codec's bucket, as a function of the code c.
+template <class C>
+auto decoder(const C& codec, float scale) {
+  const int a = decode_a(codec), b = decode_b(codec);
+  return [a, b, scale](uint8_t c) { return decoded(a, b, c, scale); };
+}
+
+// 1-bit's two values, selected (no conversion, no product): float(2c - 1) * scale is
+// scale or -scale exactly, and a NaN scale times -1 is that NaN (the product returns its
+// NaN operand), not its negation.
+inline auto decoder(const OneBit&, float scale) {
+  const float negative = scale != scale ? scale : -scale;
+  return [scale, negative](uint8_t c) { return c ? scale : negative; };
+}
+
 // For every element i of a payload: store(out, i, decoded value).
 template <class C, class Store>
 void map_decoded(const C& codec, const uint8_t* payload, int64_t n, int64_t bucket, int bits,
                  float* out, int threads, Store store) {
   const Layout layout{bits, n};
-  const int a = decode_a(codec), b = decode_b(codec);
   for_each_tile(layout, bucket, threads, [&](uint8_t* codes, int64_t e0, int64_t count,
                                              int64_t padded) {
     decode_tile(codec, layout, payload, bucket, codes, e0, count, padded,
                 [&](int64_t b0, const uint8_t* __restrict c, int64_t len, float scale) {
                   float* __restrict o = out + b0;
-                  for (int64_t i = 0; i < len; ++i) store(o, i, decoded(a, b, c[i], scale));
+                  const auto value = decoder(codec, scale);
+                  for (int64_t i = 0; i < len; ++i) store(o, i, value(c[i]));
                 });
   });
 }
@@ -441,15 +456,14 @@ void encode_residual_tile(const C& codec, const Layout& layout, float* x, int64_
                           uint8_t* out, uint8_t* codes, int64_t e0, int64_t count,
                           int64_t padded) {
   uint8_t* scales = out + layout.nbytes();
-  const int a = decode_a(codec), b = decode_b(codec);
   for (int64_t b0 = e0; b0 < e0 + count; b0 += bucket) {
     const int64_t len = std::min(bucket, layout.n - b0);
     uint8_t* __restrict c = codes + (b0 - e0);
     const float stored = codec.encode_bucket(x + b0, len, b0 / bucket, c);
     std::memcpy(scales + 4 * (b0 / bucket), &stored, 4);
-    const float scale = codec.decode_scale(stored);
+    const auto value = decoder(codec, codec.decode_scale(stored));
     float* __restrict v = x + b0;
-    for (int64_t i = 0; i < len; ++i) v[i] = v[i] - decoded(a, b, c[i], scale);
+    for (int64_t i = 0; i < len; ++i) v[i] = v[i] - value(c[i]);
   }
   std::memset(codes + count, 0, padded - count);
   layout.pack(codes, e0, padded, out);
@@ -473,24 +487,26 @@ void reduce(const C& codec, const uint8_t* const* payloads, int64_t count, int64
             int64_t bucket, int bits, float* out, const float* residual, uint8_t* encoded,
             int threads) {
   const Layout layout{bits, n};
-  const int a = decode_a(codec), b = decode_b(codec);
   for_each_tile(layout, bucket, threads, [&](uint8_t* codes, int64_t e0, int64_t tile,
                                              int64_t padded) {
-    decode_tile(codec, layout, payloads[0], bucket, codes, e0, tile, padded,
-                [&](int64_t b0, const uint8_t* __restrict c, int64_t len, float scale) {
-                  float* __restrict o = out + b0;
-                  for (int64_t i = 0; i < len; ++i) o[i] = decoded(a, b, c[i], scale);
-                });
-    for (int64_t w = 1; w < count; ++w)
+    // Each payload's loop adds its values in order; the last one adds the residual too
+    // (the same additions in the same order as a pass of its own).
+    for (int64_t w = 0; w < count; ++w) {
+      const bool last = w == count - 1 && residual != nullptr;
       decode_tile(codec, layout, payloads[w], bucket, codes, e0, tile, padded,
                   [&](int64_t b0, const uint8_t* __restrict c, int64_t len, float scale) {
                     float* __restrict o = out + b0;
-                    for (int64_t i = 0; i < len; ++i) o[i] = o[i] + decoded(a, b, c[i], scale);
+                    const float* __restrict r = last ? residual + b0 : nullptr;
+                    const auto value = decoder(codec, scale);
+                    if (w == 0 && last)
+                      for (int64_t i = 0; i < len; ++i) o[i] = value(c[i]) + r[i];
+                    else if (w == 0)
+                      for (int64_t i = 0; i < len; ++i) o[i] = value(c[i]);
+                    else if (last)
+                      for (int64_t i = 0; i < len; ++i) o[i] = (o[i] + value(c[i])) + r[i];
+                    else
+                      for (int64_t i = 0; i < len; ++i) o[i] = o[i] + value(c[i]);
                   });
-    if (residual != nullptr) {
-      float* __restrict o = out + e0;
-      const float* __restrict r = residual + e0;
-      for (int64_t i = 0; i < tile; ++i) o[i] = o[i] + r[i];
     }
     if (encoded != nullptr)
       encode_residual_tile(codec, layout, out, bucket, encoded, codes, e0, tile, padded);

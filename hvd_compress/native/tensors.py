@@ -28,7 +28,7 @@ a loaded machine), while up to 256 kB the C heap recycles its memory."""
 
 def active(t: torch.Tensor) -> bool:
     """Whether ``t`` is coded by these kernels: a CPU tensor, kernels built, not disabled."""
-    return t.device.type == "cpu" and not is_disabled() and library() is not None
+    return t.is_cpu and not is_disabled() and library() is not None
 
 
 def seed(generator: torch.Generator) -> int:
