@@ -247,6 +247,7 @@ struct Candidate {
     int64_t at;
     float value;
     uint32_t mag;
+    int64_t pair;  // its position among the sum's pairs, or -1 (an entry not among them)
 };
 
 struct Magnitudes {  // the candidates' magnitudes, for kth_largest
@@ -366,7 +367,7 @@ int64_t hvdc_topk_bounded(float* residual, int64_t numel, uint32_t* bounds,
     int64_t count = 0, j = 0;
     auto pairs_below = [&](int64_t end) {  // written always, kept when >= t0: no branch
         for (; j < n && u_idx[j] < end; ++j) {
-            cand[count] = {u_idx[j], sum[j], mag[j]};
+            cand[count] = {u_idx[j], sum[j], mag[j], j};
             count += mag[j] >= t0;
         }
     };
@@ -378,7 +379,7 @@ int64_t hvdc_topk_bounded(float* residual, int64_t numel, uint32_t* bounds,
         for (int64_t i = lo; i < hi; ++i) {
             const uint32_t m = magnitude(residual[i]);
             most = std::max(most, m);
-            cand[count] = {i, residual[i], m};
+            cand[count] = {i, residual[i], m, -1};
             count += m >= t0;
         }
         if (most >= kNonFinite) {
@@ -396,7 +397,6 @@ int64_t hvdc_topk_bounded(float* residual, int64_t numel, uint32_t* bounds,
         int64_t above = 0;
         for (int64_t c = 0; c < count; ++c) above += cand[c].mag > kth;
         int64_t ties = k - above;  // entries equal to the k-th to take
-        j = 0;
         for (int64_t c = 0; c < count; ++c) {
             if (c + kAhead < count) __builtin_prefetch(residual + cand[c + kAhead].at, 1);
             if (cand[c].mag < kth) continue;
@@ -408,8 +408,7 @@ int64_t hvdc_topk_bounded(float* residual, int64_t numel, uint32_t* bounds,
             out_idx[written] = at;
             out_val[written++] = cand[c].value;
             residual[at] = 0.0f;
-            while (j < n && u_idx[j] < at) ++j;
-            if (j < n && u_idx[j] == at) mag[j] = 0;  // the pair's new |residual|
+            if (cand[c].pair >= 0) mag[cand[c].pair] = 0;  // the pair's new |residual|
         }
     }
     for (j = 0; j < n; ++j) {
