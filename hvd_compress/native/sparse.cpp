@@ -542,8 +542,8 @@ int64_t hvdc_varint_decode(const uint8_t* data, int64_t nbytes, int64_t count, i
 // Bytes of the varints of the gaps of strictly increasing, non-negative `idx`.
 int64_t hvdc_varint_nbytes(const int64_t* idx, int64_t count) {
     int64_t total = 0, prev = -1, j = 0;
-#if defined(__AVX2__)
-    // Four gaps at a time: a varint's length is 1 plus the 7-bit thresholds its gap
+#if defined(__AVX512F__) || defined(__AVX2__)
+    // Several gaps at a time: a varint's length is 1 plus the 7-bit thresholds its gap
     // reaches. A gap of 2**35 or more (or a negative one) is left to the loop below,
     // which counts it as the encoder would (up to 10 bytes).
     if (count > 0) {
@@ -551,9 +551,32 @@ int64_t hvdc_varint_nbytes(const int64_t* idx, int64_t count) {
         prev = idx[0];
         j = 1;
     }
-    const __m256i one = _mm256_set1_epi64x(1);
+    const int64_t done = j;
+#endif
+#if defined(__AVX512F__)
+    const __m512i one = _mm512_set1_epi64(1);  // eight gaps at a time
+    __m512i lengths = _mm512_setzero_si512();
+    __mmask8 big = 0;
+    for (; j + 8 <= count; j += 8) {
+        const __m512i gap = _mm512_sub_epi64(
+            _mm512_sub_epi64(_mm512_loadu_si512(idx + j), _mm512_loadu_si512(idx + j - 1)), one);
+        __m512i len = one;
+        for (int64_t t : {int64_t(1) << 7, int64_t(1) << 14, int64_t(1) << 21, int64_t(1) << 28})
+            len = _mm512_mask_add_epi64(len, _mm512_cmpge_epu64_mask(gap, _mm512_set1_epi64(t)),
+                                        len, one);
+        lengths = _mm512_add_epi64(lengths, len);
+        // unsigned: a negative gap is at least 2**63
+        big |= _mm512_cmpge_epu64_mask(gap, _mm512_set1_epi64(int64_t(1) << 35));
+    }
+    if (!big) {
+        total += _mm512_reduce_add_epi64(lengths);
+        if (j > 0) prev = idx[j - 1];
+    } else {
+        j = done;  // counted again one by one
+    }
+#elif defined(__AVX2__)
+    const __m256i one = _mm256_set1_epi64x(1);  // four gaps at a time
     __m256i lengths = _mm256_setzero_si256(), big = _mm256_setzero_si256();
-    int64_t done = j;
     for (; j + 4 <= count; j += 4) {
         const __m256i gap = _mm256_sub_epi64(
             _mm256_sub_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(idx + j)),
