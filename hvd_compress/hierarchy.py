@@ -631,9 +631,11 @@ class HierarchicalPipeline:
     def wait(self, into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """As :meth:`Pipeline.wait`: every rank of the job gets the same aggregates, and a
         non-finite one raises :class:`NonFiniteGradientError` on every rank with no state
-        changed."""
+        changed. Over shared memory, ``last_step.seconds["peers host"]`` is the part of the
+        step spent waiting for the host's other ranks to reach a collective."""
         tensors = self._tensors
         names = self._sorted(list(tensors))
+        waited = getattr(self.local, "barrier_seconds", None)  # shared memory's waits
         try:
             for name in names:
                 if not tensors[name].started:
@@ -648,6 +650,8 @@ class HierarchicalPipeline:
         started = time.perf_counter()
         flat = self._gather(names, tensors, results, stats)
         stats.seconds[f"wait {HOST_ROUND}"] += time.perf_counter() - started
+        if waited is not None:  # of which waiting for the host's other ranks
+            stats.seconds[f"peers {HOST_ROUND}"] += self.local.barrier_seconds - waited
         into = into or {}
         scale = self.prescale / (self.size if self.average else 1)
         out: dict[str, torch.Tensor] = {}
