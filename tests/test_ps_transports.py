@@ -76,7 +76,8 @@ def test_the_environment_names_have_one_home() -> None:
     assert ps_client.CONNECT_TIMEOUT_ENV is ps_protocol.CONNECT_TIMEOUT_ENV
     assert ps_client.RETRY_TIMEOUT_ENV is ps_protocol.RETRY_TIMEOUT_ENV
     names = [value for key, value in vars(ps_protocol).items() if key.endswith("_ENV")]
-    assert len(names) == len(set(names)) == 5
+    assert parameter_server.PARTIAL_ENV is ps_protocol.PARTIAL_ENV
+    assert len(names) == len(set(names)) == 6
     assert all(name.startswith("HVD_COMPRESS_PS") for name in names)
 
 
