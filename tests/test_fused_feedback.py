@@ -209,3 +209,15 @@ def test_fused_training_steps_are_bit_identical_to_the_reference(
                 assert st[name].keys() == st_r[name].keys()
                 for key in st[name]:
                     assert_same(st[name][key], st_r[name][key])
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_kept_aggregate_whose_sum_overflows_passes_the_finite_check(size: int) -> None:
+    """The kept aggregate's total rounds a float64 sum beyond float32's range to infinity;
+    the pipeline then looks at the decoded values, all finite, and the step goes on."""
+    pipes = make_pipelines(Compression.onebit(bucket_size=64), size)
+    big = torch.full((4, 64), 3e38 / size)
+    out = on_threads(size, lambda r: pipes[r].reduce({"w": big.clone()})["w"])
+    assert torch.isfinite(out[0]).all() and float(out[0].double().sum()) > 3.4e38
+    for rank_out in out:
+        assert torch.equal(rank_out, out[0])
