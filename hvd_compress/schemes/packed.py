@@ -28,7 +28,9 @@ one payload buffer; this rank's contribution is kept as those payloads
 (:class:`PackedContribution`), which error feedback subtracts from ``g + e`` in one pass
 without writing the decoded tensor; step 2's decodings, sum and residual are one pass
 with its re-encoding and the new rank-side residual (``hvdc_<kernel>_reduce``); step 3
-decodes straight into the aggregate.
+keeps the gathered payloads as the aggregate (a :class:`PackedContribution` too), which the
+pipeline's finiteness check sums from the payloads (``hvdc_<kernel>_total``) and its write
+decodes straight into the gradient.
 """
 
 from __future__ import annotations
