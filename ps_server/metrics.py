@@ -140,11 +140,21 @@ class Metrics:
         self.registry.register(_Gauges(self.labels, gauges))
         self._pushes: OrderedDict[tuple[str, int], list[float]] = OrderedDict()
         self._lock = threading.Lock()
+        # (name, label values) -> the labelled counter: prometheus_client's labels() checks
+        # and merges the label names on every call, several times each request.
+        self._children: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}
+        self._round_latency = self.round_latency.labels(**self.labels)
+        self._push_to_close = self.push_to_close.labels(**self.labels)
 
     def _counter(self, name: str, labels: dict[str, str]) -> Any:
-        if name not in self._counters:
-            raise ValueError(f"unknown metric {name!r}; known: {sorted(self._counters)}")
-        return self._counters[name].labels(**self.labels, **labels)
+        key = (name, tuple(labels.items()))
+        child = self._children.get(key)
+        if child is None:
+            if name not in self._counters:
+                raise ValueError(f"unknown metric {name!r}; known: {sorted(self._counters)}")
+            child = self._counters[name].labels(**self.labels, **labels)
+            self._children[key] = child  # a race stores the same child twice: harmless
+        return child
 
     def inc(self, name: str, amount: float = 1.0, **labels: str) -> None:
         """Add ``amount`` to counter ``name`` (one of :data:`COUNTERS`) with ``labels``."""
@@ -178,9 +188,9 @@ class Metrics:
         self.inc("hvd_ps_rounds_closed_total")
         now = self.clock()
         if times:
-            self.round_latency.labels(**self.labels).observe(now - min(times))
+            self._round_latency.observe(now - min(times))
         for start in times:
-            self.push_to_close.labels(**self.labels).observe(now - start)
+            self._push_to_close.observe(now - start)
 
     def rejected(self, method: str, err: BaseException | str) -> None:
         """Count a refused request by ``method`` and :func:`reason`."""

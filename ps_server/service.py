@@ -210,7 +210,9 @@ class ShardService:
         self.metrics.pushed(frame.tensor, frame.round, accepted)
         if accepted:
             self._check_host(frame, peer)
-            log.debug("push accepted: %s (%d pairs) from %s", frame.where(), frame.count, peer)
+            if log.isEnabledFor(logging.DEBUG):  # frame.where() formats a string
+                log.debug("push accepted: %s (%d pairs) from %s", frame.where(), frame.count,
+                          peer)
         else:
             log.info("retransmitted push ignored: %s from %s", frame.where(), peer)
         self.after_requests()

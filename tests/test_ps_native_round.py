@@ -446,7 +446,10 @@ def test_varint_decode_of_one_and_two_byte_gaps_matches_the_numpy_coding(size, t
 def test_varint_fast_paths_on_an_empty_push():
     empty = np.zeros(0, np.int64)
     assert varint_index_nbytes(empty) == 0
-    assert varint_decode_indices(np.zeros(0, np.uint8), 0, 10).size == 0
+    decoded = varint_decode_indices(np.zeros(0, np.uint8), 0, 10)
+    assert decoded.size == 0 and decoded.dtype == np.int64
+    with pytest.raises(ValueError, match="holds 1 varints, header says 0"):  # not shortcut
+        varint_decode_indices(np.zeros(1, np.uint8), 0, 10)
     pushes = pushes_of([frame(0, 0, [], [], 100), frame(1, 0, [0, 99], [1.0, 2.0], 100)])
     assert [f.count for f in pushes] == [0, 2]
 
