@@ -22,7 +22,6 @@ from typing import Any
 
 from hvd_compress import __version__
 from hvd_compress.ps_protocol import TOKEN_ENV
-from ps_server.rounds import keep_heap_pages
 from ps_server.service import CHECKPOINT_EVERY, ShardService
 from ps_server.store import MODES, Quorum, ShardStore
 
@@ -319,7 +318,6 @@ def _serve_grpc(args: argparse.Namespace, service: ShardService, host: str, port
         raise SystemExit(f"hvd-ps-server: {err}") from None
     stop = threading.Event()
     grpc_transport.tick_forever(service, stop)
-    keep_heap_pages()  # a round's aggregate and pushes reuse the last round's pages
 
     def shut_down(signum: int, _frame: object) -> None:
         log.info("received %s: stopping", signal.Signals(signum).name)

@@ -278,30 +278,6 @@ def release_memory() -> None:
         _libc.malloc_trim(0)
 
 
-HEAP_MMAP_THRESHOLD = 32 << 20
-"""Allocations below this many bytes come from the heap, not a fresh ``mmap`` each
-(glibc's ``M_MMAP_THRESHOLD``; 32 MiB is the most its own adjustment goes to)."""
-HEAP_TRIM_THRESHOLD = 64 << 20
-"""Free bytes the top of the heap keeps before glibc gives them back (``M_TRIM_THRESHOLD``)."""
-
-
-def keep_heap_pages() -> bool:
-    """Let the server process's heap keep the pages it frees between rounds (glibc's
-    ``mallopt``; False and a no-op elsewhere). Each round allocates the aggregate frame
-    (``bytes``: not from :mod:`hvd_compress.native.pool`) and gRPC the pushes' bytes; by
-    default glibc gives the top of the heap back when they are freed, so the next round
-    faults every page in again (at 8 workers of the bench, about 400 faults a round).
-    The heap then holds up to :data:`HEAP_TRIM_THRESHOLD` free bytes above its peak use;
-    :func:`release_memory` (on expiry) still gives them back."""
-    if _libc is None or not hasattr(_libc, "mallopt"):
-        return False
-    return bool(_libc.mallopt(_M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD)) and \
-        bool(_libc.mallopt(_M_TRIM_THRESHOLD, HEAP_TRIM_THRESHOLD))
-
-
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
-
-
 def _load_libc() -> Any:
     name = ctypes.util.find_library("c")
     try:
