@@ -34,7 +34,7 @@ def elastic_launch(tmp: Path, name: str) -> tuple[Path, list[str]]:
 
 def run_job(tmp: Path, name: str, scheme: str, elastic: bool, ps: str | None = None,
             extra: tuple[str, ...] = (), steps: int = STEPS, resize: str = RESIZE,
-            kill_step: int = KILL_STEP, gloo_timeout: int = 10) -> dict:
+            kill_step: int = KILL_STEP, gloo_timeout: int = 30) -> dict:
     hosts, launch = elastic_launch(tmp, name)
     out = tmp / f"{name}.json"
     cmd = [*launch, "--gloo-timeout-seconds", str(gloo_timeout), "python", "-m",
