@@ -496,7 +496,10 @@ def test_cluster_bench_hosts_of_two_ranks_keep_their_own_traffic_off_the_link(
         assert row["local_size"] == 2  # Horovod (or DDP's launch) groups ranks by host
         assert row["replicas_agree"] and row["step_s"] > 0
         assert dense_bytes <= row["tx_bytes_per_step"] < 2 * dense_bytes, row["system"]
-        assert row["loopback_tx_bytes_per_step"] >= dense_bytes / 2, row["system"]
+        if row["scheme"] == "none@host":  # the in-host sum goes through shared memory
+            assert row["loopback_tx_bytes_per_step"] < dense_bytes / 10, row["system"]
+        else:
+            assert row["loopback_tx_bytes_per_step"] >= dense_bytes / 2, row["system"]
         assert row["expected_tx_bytes"] is None  # per rank, not per host link
     assert rows[0]["settings"]["HOROVOD_HIERARCHICAL_ALLREDUCE"] == "1"
     assert rows[3]["settings"]["hierarchy"] == "host"
