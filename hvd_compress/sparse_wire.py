@@ -44,11 +44,14 @@ from __future__ import annotations
 
 import struct
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 
 import numpy as np
 
+from hvd_compress.native import available as native_available
+from hvd_compress.native import library as native_library
 from hvd_compress.native import sparse as native_sparse
 
 MAGIC = b"HVPS"
@@ -299,10 +302,14 @@ def pack_header(kind: Kind, coding: IndexCoding, dtype: ValueDType, worker: int,
                         shard, shards, numel, count, index_nbytes, len(name)) + name
 
 
-def decode_frame(data: bytes | bytearray | memoryview, max_numel: int = MAX_NUMEL) -> Frame:
+def decode_frame(data: bytes | bytearray | memoryview, max_numel: int = MAX_NUMEL,
+                 indices_out: Callable[[int], np.ndarray] | None = None) -> Frame:
     """Decode and validate a frame; any inconsistency raises :class:`ValueError`.
 
     ``max_numel`` lets a receiver refuse shards larger than it is willing to hold.
+    ``indices_out(count)``, when given, returns the uninitialised int64 array that a
+    delta+varint section is decoded into (the server's recycled memory,
+    :class:`ps_server.buffers.IndexBuffers`); the frame's indices are then that array.
     """
     buf = memoryview(data).cast("B")
     size = buf.nbytes
@@ -353,7 +360,7 @@ def decode_frame(data: bytes | bytearray | memoryview, max_numel: int = MAX_NUME
     index_section = np.frombuffer(buf, np.uint8, index_nbytes, offset)
     offset += index_nbytes
     values = np.frombuffer(buf, dtype.numpy, count, offset)
-    indices = _decode_indices(coding, index_section, numel, count)
+    indices = _decode_indices(coding, index_section, numel, count, indices_out)
     return Frame(kind, tensor, shard, shards, round, worker, numel, indices, values, coding,
                  dtype)
 
@@ -389,8 +396,8 @@ def split_frames(data: bytes | bytearray | memoryview) -> list[Frame]:
     return frames
 
 
-def _decode_indices(coding: IndexCoding, section: np.ndarray, numel: int,
-                    count: int) -> np.ndarray:
+def _decode_indices(coding: IndexCoding, section: np.ndarray, numel: int, count: int,
+                    indices_out: Callable[[int], np.ndarray] | None = None) -> np.ndarray:
     if coding is IndexCoding.DENSE:
         return np.arange(numel, dtype=np.int64)
     if coding is IndexCoding.BITMAP:
@@ -401,6 +408,12 @@ def _decode_indices(coding: IndexCoding, section: np.ndarray, numel: int,
         if indices.size != count:
             raise ValueError(f"bitmap holds {indices.size} indices, header says {count}")
         return indices
+    if indices_out is not None and count and native_available():
+        out = indices_out(count)
+        if not native_library().hvdc_varint_decode(section.ctypes.data, section.size, count,
+                                                   numel, out.ctypes.data):
+            return out
+        # A malformed section: the allocating decode below raises its error message.
     indices = native_sparse.varint_decode_indices(section, count, numel)
     if indices is not None:
         return indices

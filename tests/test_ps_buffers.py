@@ -1,0 +1,83 @@
+"""The server's recycled memory for decoded push indices (ps_server.buffers)."""
+
+from __future__ import annotations
+
+import gc
+import struct
+
+import numpy as np
+import pytest
+
+from hvd_compress.native import available
+from hvd_compress.sparse_wire import Kind, crc32, decode_frame, encode_frame
+from ps_server.buffers import GRANULE, MIN_BYTES, IndexBuffers
+
+
+def test_small_arrays_come_from_numpy() -> None:
+    pool = IndexBuffers()
+    a = pool.lend(MIN_BYTES // 8 - 1)
+    assert a.dtype == np.int64 and a.size == MIN_BYTES // 8 - 1
+    assert pool.held_bytes() == 0
+
+
+def test_a_block_is_reused_only_once_its_array_and_views_are_gone() -> None:
+    pool = IndexBuffers()
+    count = 3 * GRANULE // 8
+    first = pool.lend(count)
+    first[:] = 7
+    view = first[10:20]
+    del first
+    gc.collect()
+    second = pool.lend(count)  # the first block is still read through `view`
+    second[:] = 9
+    assert (view == 7).all()
+    assert pool.held_bytes() == 2 * 3 * GRANULE
+    address = second.ctypes.data
+    del second
+    gc.collect()
+    third = pool.lend(count - 5)  # same rounded size: the free block again
+    assert third.ctypes.data == address and third.size == count - 5
+    assert pool.held_bytes() == 2 * 3 * GRANULE
+
+
+def test_free_blocks_are_bounded() -> None:
+    pool = IndexBuffers(max_free_bytes=2 * GRANULE, idle_lends=4)
+    arrays = [pool.lend(GRANULE // 8) for _ in range(5)]
+    assert pool.held_bytes() == 5 * GRANULE  # all lent
+    del arrays
+    gc.collect()
+    pool.lend(GRANULE // 8)  # keeps itself and at most two free blocks
+    assert pool.held_bytes() <= 3 * GRANULE
+    for _ in range(8):  # free blocks idle for 4 lends are unmapped
+        pool.lend(2 * GRANULE // 8)
+    assert pool.held_bytes() <= 2 * GRANULE + 2 * GRANULE
+
+
+@pytest.mark.skipif(not available(), reason="native library unavailable")
+def test_decode_into_lent_indices_equals_plain_decode() -> None:
+    rng = np.random.default_rng(3)
+    numel = 1 << 22
+    idx = np.sort(rng.choice(numel, 40_000, replace=False))
+    val = rng.standard_normal(idx.size).astype(np.float32)
+    data = encode_frame(Kind.PUSH, "t", 0, 1, 5, 1, numel, idx, val)
+    pool = IndexBuffers()
+    frame = decode_frame(data, indices_out=pool.lend)
+    plain = decode_frame(data)
+    assert np.array_equal(frame.indices, idx) and np.array_equal(plain.indices, idx)
+    assert np.array_equal(frame.values, val)
+    assert pool.held_bytes() > 0  # it came from the pool
+
+
+@pytest.mark.skipif(not available(), reason="native library unavailable")
+def test_a_malformed_section_decoded_into_the_pool_gives_the_usual_error() -> None:
+    numel = 1 << 20
+    idx = np.arange(0, numel, 64, dtype=np.int64)
+    data = bytearray(encode_frame(Kind.PUSH, "t", 0, 1, 0, 0, numel, idx,
+                                  np.ones(idx.size, np.float32)))
+    data[-4 - 4 * idx.size - 1] |= 0x80  # the last varint now runs on: truncated
+    struct.pack_into("<I", data, len(data) - 4, crc32(bytes(data[:-4])))
+    with pytest.raises(ValueError) as plain:
+        decode_frame(bytes(data))
+    with pytest.raises(ValueError) as pooled:
+        decode_frame(bytes(data), indices_out=IndexBuffers().lend)
+    assert str(pooled.value) == str(plain.value)
