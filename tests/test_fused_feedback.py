@@ -134,7 +134,7 @@ def test_kept_payloads_write_and_total_as_the_decoded_tensor(codec: PackedScheme
     kept = packed.PackedContribution(codec, codec.kernel, payloads, sizes, shape)
     decoded = torch.cat([codec.decode(p, n) for p, n in zip(payloads, sizes)])
     assert_same(kept.materialize(), decoded)
-    for scale in (1.0, 0.5, 1 / 3):
+    for scale in (1.0, 0.5, 1 / 3, 0.1, 3e37):
         expected = write_scaled(decoded, torch.full(shape, 7.0), scale)
         assert_same(kept.write(torch.full(shape, 7.0), scale), expected)
         half = kept.write(torch.zeros(shape, dtype=torch.float16), scale)  # not decoded into

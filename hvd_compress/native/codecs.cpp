@@ -413,6 +413,15 @@ void decode(const C& codec, const uint8_t* payload, int64_t n, int64_t bucket, i
               [](float* __restrict o, int64_t i, float d) { o[i] = d; });
 }
 
+// out = decode(payload) * factor: decode, then a float32 product by factor per element (the
+// averaged gradient written straight from the payload), bit for bit the two passes.
+template <class C>
+void scaled(const C& codec, const uint8_t* payload, int64_t n, int64_t bucket, int bits,
+            float* out, int threads, float factor) {
+  map_decoded(codec, payload, n, bucket, bits, out, threads,
+              [factor](float* __restrict o, int64_t i, float d) { o[i] = d * factor; });
+}
+
 // The float64 sum of every decoded value of a payload (NaN when one is NaN, or infinities
 // of both signs meet), reading only the payload: each tile's sum in element order, then
 // the tiles' sums in tile order, so the result does not depend on the thread count.
@@ -547,6 +556,24 @@ void hvdc_terngrad_encode(const float* x, int64_t n, int64_t bucket, uint8_t* ou
 void hvdc_terngrad_decode(const uint8_t* payload, int64_t n, int64_t bucket, float* out,
                           int threads) {
   decode(TernGrad{0.0, Key{0}}, payload, n, bucket, 0, out, threads);
+}
+
+// scaled (above) takes decode's arguments with the float factor before decode's options.
+
+void hvdc_onebit_scaled(const uint8_t* payload, int64_t n, int64_t bucket, float* out,
+                        int threads, float factor) {
+  scaled(OneBit{}, payload, n, bucket, 1, out, threads, factor);
+}
+
+void hvdc_qsgd_scaled(const uint8_t* payload, int64_t n, int64_t bucket, float* out,
+                      int threads, float factor, int bits) {
+  scaled(Qsgd{(1 << (bits - 1)) - 1, false, Key{0}}, payload, n, bucket, bits, out, threads,
+         factor);
+}
+
+void hvdc_terngrad_scaled(const uint8_t* payload, int64_t n, int64_t bucket, float* out,
+                          int threads, float factor) {
+  scaled(TernGrad{0.0, Key{0}}, payload, n, bucket, 0, out, threads, factor);
 }
 
 // total (above) takes decode's arguments with one double as its output.

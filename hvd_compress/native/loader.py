@@ -58,10 +58,13 @@ _SIGNATURES: dict[str, tuple] = {
     "terngrad_subtract": (), "terngrad_reduce": (_c_int64, _c_ptr, _c_ptr, ctypes.c_double,
                                                  ctypes.c_uint64),
     "onebit_total": (), "qsgd_total": (ctypes.c_int,), "terngrad_total": (),
+    "onebit_scaled": (ctypes.c_float,), "qsgd_scaled": (ctypes.c_float, ctypes.c_int),
+    "terngrad_scaled": (ctypes.c_float,),
 }
 """Each codec kernel's options after the common (input, count, bucket size, output,
 threads). The fused error-feedback kernels: ``subtract`` takes decode's, ``reduce`` (payload
-count, residual, encoded) then encode's; ``total`` takes decode's (its output one double)."""
+count, residual, encoded) then encode's; ``total`` takes decode's (its output one double);
+``scaled`` the float factor, then decode's."""
 
 _SPARSE_SIGNATURES: dict[str, tuple] = {
     "varint_decode": (_c_ptr, _c_int64, _c_int64, _c_int64, _c_ptr),

@@ -61,6 +61,19 @@ def decode(kernel: str, payload: torch.Tensor, numel: int, bucket_size: int,
     return out
 
 
+def scaled(kernel: str, payload: torch.Tensor, numel: int, bucket_size: int, factor: float,
+           *options: int, out: torch.Tensor) -> torch.Tensor:
+    """Run ``hvdc_<kernel>_scaled``: ``out = decode(payload) * factor`` (``factor`` rounded
+    to float32, as torch's ``mul_`` of a float32 tensor by a Python float rounds it) in one
+    pass, bit for bit :func:`decode` then ``out.mul_(factor)``; ``out`` a contiguous
+    float32 CPU tensor of ``numel``. Returns ``out``."""
+    payload = payload.contiguous()
+    fn = getattr(library(), f"hvdc_{kernel}_scaled")
+    fn(payload.data_ptr(), numel, bucket_size, out.data_ptr(), torch.get_num_threads(),
+       factor, *options)
+    return out
+
+
 def subtract(kernel: str, payload: torch.Tensor, x: torch.Tensor, bucket_size: int,
              *options: int) -> torch.Tensor:
     """Run ``hvdc_<kernel>_subtract``: ``x -= decode(payload)`` in place, for a contiguous

@@ -225,11 +225,17 @@ class PackedContribution:
         directly, without a decoded tensor of its own."""
         if not (out.dtype == torch.float32 and out.is_contiguous() and kernels.active(out)):
             return write_scaled(self.materialize(), out, scale)
+        options = self.codec.decode_options()
         for p, part in zip(self.payloads, _parts(out.view(-1), self.sizes)):
-            if part.numel():
+            if not part.numel():
+                continue
+            if scale == 1.0:
                 kernels.decode(self.kernel, p, part.numel(), self.codec.bucket_size,
-                               *self.codec.decode_options(), out=part)
-        return out.mul_(scale) if scale != 1.0 else out
+                               *options, out=part)
+            else:  # the product in the decoding pass (one pass over out, not two)
+                kernels.scaled(self.kernel, p, part.numel(), self.codec.bucket_size, scale,
+                               *options, out=part)
+        return out
 
     def subtract_from(self, x: torch.Tensor) -> torch.Tensor:
         """``x -= self`` in place (``x`` of :attr:`shape`); returns ``x``."""
