@@ -303,13 +303,14 @@ def pack_header(kind: Kind, coding: IndexCoding, dtype: ValueDType, worker: int,
 
 
 def decode_frame(data: bytes | bytearray | memoryview, max_numel: int = MAX_NUMEL,
-                 indices_out: Callable[[int], np.ndarray] | None = None) -> Frame:
+                 arrays: Callable[[int, np.dtype], np.ndarray] | None = None) -> Frame:
     """Decode and validate a frame; any inconsistency raises :class:`ValueError`.
 
     ``max_numel`` lets a receiver refuse shards larger than it is willing to hold.
-    ``indices_out(count)``, when given, returns the uninitialised int64 array that a
-    delta+varint section is decoded into (the server's recycled memory,
-    :class:`ps_server.buffers.IndexBuffers`); the frame's indices are then that array.
+    ``arrays(count, dtype)``, when given, returns uninitialised arrays (the server's
+    recycled memory, :class:`ps_server.buffers.PushBuffers`): a delta+varint section is
+    decoded into one, and the values are copied into another, so the frame holds no
+    reference to ``data`` (which its sender's transport can then free at once).
     """
     buf = memoryview(data).cast("B")
     size = buf.nbytes
@@ -360,7 +361,9 @@ def decode_frame(data: bytes | bytearray | memoryview, max_numel: int = MAX_NUME
     index_section = np.frombuffer(buf, np.uint8, index_nbytes, offset)
     offset += index_nbytes
     values = np.frombuffer(buf, dtype.numpy, count, offset)
-    indices = _decode_indices(coding, index_section, numel, count, indices_out)
+    indices = _decode_indices(coding, index_section, numel, count, arrays)
+    if arrays is not None and count:
+        values = _copied(values, arrays)
     return Frame(kind, tensor, shard, shards, round, worker, numel, indices, values, coding,
                  dtype)
 
@@ -397,7 +400,8 @@ def split_frames(data: bytes | bytearray | memoryview) -> list[Frame]:
 
 
 def _decode_indices(coding: IndexCoding, section: np.ndarray, numel: int, count: int,
-                    indices_out: Callable[[int], np.ndarray] | None = None) -> np.ndarray:
+                    arrays: Callable[[int, np.dtype], np.ndarray] | None = None
+                    ) -> np.ndarray:
     if coding is IndexCoding.DENSE:
         return np.arange(numel, dtype=np.int64)
     if coding is IndexCoding.BITMAP:
@@ -408,8 +412,8 @@ def _decode_indices(coding: IndexCoding, section: np.ndarray, numel: int, count:
         if indices.size != count:
             raise ValueError(f"bitmap holds {indices.size} indices, header says {count}")
         return indices
-    if indices_out is not None and count and native_available():
-        out = indices_out(count)
+    if arrays is not None and count and native_available():
+        out = arrays(count, _INT64)
         if not native_library().hvdc_varint_decode(section.ctypes.data, section.size, count,
                                                    numel, out.ctypes.data):
             return out
@@ -428,6 +432,16 @@ def _decode_indices(coding: IndexCoding, section: np.ndarray, numel: int, count:
         raise ValueError(f"index {int(indices[-1])} out of range for a shard of {numel} "
                          "elements")
     return indices
+
+
+_INT64 = np.dtype(np.int64)
+
+
+def _copied(array: np.ndarray, arrays: Callable[[int, np.dtype], np.ndarray]) -> np.ndarray:
+    """A copy of ``array`` (1-D) in memory from ``arrays``."""
+    copy = arrays(array.size, array.dtype)
+    copy[...] = array
+    return copy
 
 
 def _enum(cls: type[IntEnum], value: int, what: str) -> IntEnum:

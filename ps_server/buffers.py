@@ -1,13 +1,15 @@
-"""Recycled memory for the pushes' decoded indices, so a round does not fault pages in.
+"""Recycled memory for the pushes a round holds, so a round does not fault pages in.
 
-A push of ``n`` pairs decodes into ``8 n`` bytes of int64 indices, held until its round
-closes. Above glibc's ``mmap`` threshold (or at the top of its heap, which it trims) each
-such array is memory the kernel maps and zeroes afresh: at 8 workers of 42,000 pairs,
-about 660 page faults a round, a third of the server's CPU for the round (measured in
-``docs/results/ps-grpc-5bd1c5a``). :class:`IndexBuffers` lends int64 arrays over anonymous
-mappings it keeps: a block is lent to one array (and any views of it) at a time and is
-free again once that array is gone (a weak reference tells), so a block is never written
-while a held push still reads it. Sizes are rounded up to :data:`GRANULE`, so pushes of
+A push of ``n`` pairs decodes into ``8 n`` bytes of int64 indices, and its values are
+copied out of the request (so the transport frees the request at once, and the C heap
+reuses it for the next one); both are held until the round closes. Above glibc's ``mmap``
+threshold (or at the top of its heap, which it trims) each such array is memory the
+kernel maps and zeroes afresh: at 8 workers of 42,000 pairs, about 940 page faults a
+round, a third of the server's CPU for the round in-process (``docs/results/
+ps-grpc-397ef2b``). :class:`PushBuffers` lends arrays over anonymous mappings it keeps: a
+block is lent to one array (and any views of it) at a time and is free again once that
+array is gone (a weak reference tells), so a block is never written while a held push
+still reads it. Sizes are rounded up to :data:`GRANULE`, so pushes of
 nearby sizes share blocks. What the pool keeps free is bounded: at most ``max_free_bytes``
 of free blocks (the least recently lent go first), and a block not lent for
 ``idle_lends`` lends is unmapped; lent blocks count against the server's push budget like
@@ -41,8 +43,8 @@ class _Block:
         return self.user is None or self.user() is None
 
 
-class IndexBuffers:
-    """Lends uninitialised int64 arrays over recycled blocks (see the module docstring).
+class PushBuffers:
+    """Lends uninitialised arrays over recycled blocks (see the module docstring).
     Safe to call from any thread."""
 
     def __init__(self, max_free_bytes: int = 64 << 20, idle_lends: int = 1024) -> None:
@@ -52,12 +54,13 @@ class IndexBuffers:
         self._lends = 0
         self._lock = threading.Lock()
 
-    def lend(self, count: int) -> np.ndarray:
-        """``count`` uninitialised int64 values; the memory is lent until the array and
-        every view of it are gone."""
-        nbytes = 8 * count
+    def lend(self, count: int, dtype: np.dtype | type = np.int64) -> np.ndarray:
+        """``count`` uninitialised values of ``dtype``; the memory is lent until the array
+        and every view of it are gone."""
+        dtype = np.dtype(dtype)
+        nbytes = dtype.itemsize * count
         if nbytes < MIN_BYTES:
-            return np.empty(count, np.int64)
+            return np.empty(count, dtype)
         size = -(-nbytes // GRANULE) * GRANULE
         with self._lock:
             self._lends += 1
@@ -69,7 +72,7 @@ class IndexBuffers:
             if block is None:
                 block = _Block(size)
                 self._blocks.append(block)
-            lent = np.frombuffer(block.memory, np.int64, count)
+            lent = np.frombuffer(block.memory, dtype, count)
             block.user, block.lent_at = weakref.ref(lent), self._lends
             self._trim()
         return lent

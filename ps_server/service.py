@@ -40,7 +40,7 @@ from typing import NoReturn
 from hvd_compress.ps_protocol import job_size_mismatch, session_of
 from hvd_compress.sparse_wire import Frame, Kind, decode_frame
 from ps_server import checkpoint
-from ps_server.buffers import IndexBuffers
+from ps_server.buffers import PushBuffers
 from ps_server.metrics import Metrics
 from ps_server.store import (
     Binding,
@@ -100,7 +100,7 @@ class ShardService:
             raise ValueError(f"checkpoint interval must be at least 1 round, got "
                              f"{checkpoint_every}")
         self.store = store
-        self.index_buffers = IndexBuffers()  # the pushes' decoded indices, recycled
+        self.push_buffers = PushBuffers()  # the held pushes' arrays, recycled
         self.every, self.fsync = checkpoint_every, fsync
         self.hide_names = hide_names
         self.checkpoint = None if checkpoint_dir is None else checkpoint.path_for(
@@ -438,7 +438,7 @@ class ShardService:
         worker binding claimed (see the module docstring)."""
         self.metrics.inc("hvd_ps_received_bytes_total", len(data))
         try:
-            frame = decode_frame(data, self.store.max_numel, self.index_buffers.lend)
+            frame = decode_frame(data, self.store.max_numel, self.push_buffers.lend)
         except ValueError as err:
             self._reject(method, peer, RequestError(f"malformed {method} frame: {err}"))
         expected = Kind.PUSH if method == "push" else Kind.PULL

@@ -1,4 +1,4 @@
-"""The server's recycled memory for decoded push indices (ps_server.buffers)."""
+"""The server's recycled memory for the pushes it holds (ps_server.buffers)."""
 
 from __future__ import annotations
 
@@ -10,18 +10,21 @@ import pytest
 
 from hvd_compress.native import available
 from hvd_compress.sparse_wire import Kind, crc32, decode_frame, encode_frame
-from ps_server.buffers import GRANULE, MIN_BYTES, IndexBuffers
+from ps_server.buffers import GRANULE, MIN_BYTES, PushBuffers
 
 
 def test_small_arrays_come_from_numpy() -> None:
-    pool = IndexBuffers()
+    pool = PushBuffers()
     a = pool.lend(MIN_BYTES // 8 - 1)
     assert a.dtype == np.int64 and a.size == MIN_BYTES // 8 - 1
     assert pool.held_bytes() == 0
+    b = pool.lend(MIN_BYTES // 2, np.float16)
+    assert b.dtype == np.float16 and b.size == MIN_BYTES // 2
+    assert pool.held_bytes() == GRANULE
 
 
 def test_a_block_is_reused_only_once_its_array_and_views_are_gone() -> None:
-    pool = IndexBuffers()
+    pool = PushBuffers()
     count = 3 * GRANULE // 8
     first = pool.lend(count)
     first[:] = 7
@@ -41,7 +44,7 @@ def test_a_block_is_reused_only_once_its_array_and_views_are_gone() -> None:
 
 
 def test_free_blocks_are_bounded() -> None:
-    pool = IndexBuffers(max_free_bytes=2 * GRANULE, idle_lends=4)
+    pool = PushBuffers(max_free_bytes=2 * GRANULE, idle_lends=4)
     arrays = [pool.lend(GRANULE // 8) for _ in range(5)]
     assert pool.held_bytes() == 5 * GRANULE  # all lent
     del arrays
@@ -60,12 +63,14 @@ def test_decode_into_lent_indices_equals_plain_decode() -> None:
     idx = np.sort(rng.choice(numel, 40_000, replace=False))
     val = rng.standard_normal(idx.size).astype(np.float32)
     data = encode_frame(Kind.PUSH, "t", 0, 1, 5, 1, numel, idx, val)
-    pool = IndexBuffers()
-    frame = decode_frame(data, indices_out=pool.lend)
+    pool = PushBuffers()
+    frame = decode_frame(data, arrays=pool.lend)
     plain = decode_frame(data)
     assert np.array_equal(frame.indices, idx) and np.array_equal(plain.indices, idx)
     assert np.array_equal(frame.values, val)
     assert pool.held_bytes() > 0  # it came from the pool
+    assert not np.shares_memory(frame.values, np.frombuffer(data, np.uint8))  # a copy
+    assert frame.indices.base is not None and frame.values.base is not None
 
 
 @pytest.mark.skipif(not available(), reason="native library unavailable")
@@ -79,5 +84,5 @@ def test_a_malformed_section_decoded_into_the_pool_gives_the_usual_error() -> No
     with pytest.raises(ValueError) as plain:
         decode_frame(bytes(data))
     with pytest.raises(ValueError) as pooled:
-        decode_frame(bytes(data), indices_out=IndexBuffers().lend)
+        decode_frame(bytes(data), arrays=PushBuffers().lend)
     assert str(pooled.value) == str(plain.value)
