@@ -5,7 +5,7 @@ frame as request and response (``Push`` answers ``b"accepted"`` or ``b"duplicate
 Refusals map to gRPC status codes with a message saying what is wrong.
 
 The server is gRPC's asyncio server, running its event loop in a thread of its own. A
-pull that waits for its round is a coroutine parked on a per-tensor event (set when the
+pull that waits for its round is a coroutine parked on a per-tensor future (resolved when the
 store says the tensor's round finished, failed, or became durable), not a thread: any
 number of workers can wait at once, and pushes never queue behind waiting pulls. Pushes
 are decoded and summed in a pool of ``threads`` threads, so one large push does not stall
@@ -218,12 +218,20 @@ async def _start(service: FrameHandler, bind: str, pull_timeout: float, token: s
                  tls: tuple[bytes, bytes] | None, max_message_bytes: int,
                  executor: futures.ThreadPoolExecutor) -> tuple[grpc.aio.Server, int]:
     loop = asyncio.get_running_loop()
-    waiters: dict[str, asyncio.Event] = {}
+    # One future per tensor that pulls wait on, resolved (and replaced) when the store
+    # says a pull of that tensor may have an answer: no task or event per waiting pull.
+    waiters: dict[str, asyncio.Future[None]] = {}
 
     def wake(tensor: str) -> None:
-        event = waiters.pop(tensor, None)
-        if event is not None:
-            event.set()
+        future = waiters.pop(tensor, None)
+        if future is not None and not future.done():
+            future.set_result(None)
+
+    def waiter(tensor: str) -> asyncio.Future[None]:
+        future = waiters.get(tensor)
+        if future is None:
+            future = waiters[tensor] = loop.create_future()
+        return future
 
     def changed(tensor: str) -> None:  # called from any thread, with the store's lock
         try:
@@ -266,7 +274,7 @@ async def _start(service: FrameHandler, bind: str, pull_timeout: float, token: s
             frame = service.decode_pull(request, peer, **identity(context))
             give_up = loop.time() + timeout
             while True:
-                event = waiters.setdefault(frame.tensor, asyncio.Event())
+                future = waiter(frame.tensor)  # before asking: a wake-up between is kept
                 result = service.try_pull(frame, peer)
                 if result is not None:
                     return result
@@ -274,11 +282,10 @@ async def _start(service: FrameHandler, bind: str, pull_timeout: float, token: s
                 if left <= 0:
                     service.timed_out(frame, peer, timeout)
                 grace = service.store.quorum_wait(frame.tensor)  # closes then, unpushed
-                try:
-                    await asyncio.wait_for(event.wait(), left if grace is None else
-                                           min(left, grace + 1e-3))
-                except TimeoutError:
-                    pass
+                # asyncio.wait neither cancels the shared future on timeout nor wraps it
+                # in a task; a timeout or a wake-up for another round just asks again.
+                await asyncio.wait((future,), timeout=left if grace is None else
+                                   min(left, grace + 1e-3))
         except RequestError as err:
             await refuse(context, err)
 
