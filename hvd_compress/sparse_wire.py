@@ -84,7 +84,7 @@ class ValueDType(IntEnum):
 
     @property
     def numpy(self) -> np.dtype:
-        return np.dtype("<f4") if self is ValueDType.FP32 else np.dtype("<f2")
+        return _NUMPY_DTYPES[self]
 
     @classmethod
     def parse(cls, name: str | ValueDType) -> ValueDType:
@@ -96,6 +96,12 @@ class ValueDType(IntEnum):
             return aliases[name.lower()]
         except KeyError:
             raise ValueError(f"value dtype must be fp32 or fp16, got {name!r}") from None
+
+
+_NUMPY_DTYPES = {ValueDType.FP32: np.dtype("<f4"), ValueDType.FP16: np.dtype("<f2")}
+# Members as module names: reading an enum member off its class costs a few hundred ns on
+# Python 3.11, several times per decoded frame.
+_VARINT, _BITMAP, _DENSE = IndexCoding.VARINT, IndexCoding.BITMAP, IndexCoding.DENSE
 
 
 @dataclass(frozen=True)
@@ -339,14 +345,16 @@ def decode_frame(data: bytes | bytearray | memoryview, max_numel: int = MAX_NUME
         raise ValueError(f"{count} pairs in a shard of only {numel} elements")
     if not 1 <= name_len <= MAX_NAME_BYTES:
         raise ValueError(f"tensor name length {name_len} is outside 1..{MAX_NAME_BYTES}")
-    itemsize = dtype.numpy.itemsize
-    expected_index = {IndexCoding.BITMAP: bitmap_nbytes(numel), IndexCoding.DENSE: 0}.get(coding)
+    numpy_dtype = _NUMPY_DTYPES[dtype]
+    itemsize = numpy_dtype.itemsize
+    expected_index = bitmap_nbytes(numel) if coding is _BITMAP else \
+        0 if coding is _DENSE else None
     if expected_index is not None and index_nbytes != expected_index:
         raise ValueError(f"{coding.name.lower()} index section of {index_nbytes} bytes, "
                          f"expected {expected_index} for {numel} elements")
-    if coding is IndexCoding.DENSE and count != numel:
+    if coding is _DENSE and count != numel:
         raise ValueError(f"dense frame with {count} values for {numel} elements")
-    if coding is IndexCoding.VARINT and not count <= index_nbytes <= _MAX_VARINT_BYTES * count:
+    if coding is _VARINT and not count <= index_nbytes <= _MAX_VARINT_BYTES * count:
         raise ValueError(f"varint index section of {index_nbytes} bytes cannot hold "
                          f"{count} indices")
     expected = HEADER_BYTES + name_len + index_nbytes + count * itemsize + _CRC_BYTES
@@ -360,7 +368,7 @@ def decode_frame(data: bytes | bytearray | memoryview, max_numel: int = MAX_NUME
     offset += name_len
     index_section = np.frombuffer(buf, np.uint8, index_nbytes, offset)
     offset += index_nbytes
-    values = np.frombuffer(buf, dtype.numpy, count, offset)
+    values = np.frombuffer(buf, numpy_dtype, count, offset)
     indices = _decode_indices(coding, index_section, numel, count, arrays)
     if arrays is not None and count:
         values = _copied(values, arrays)
@@ -402,9 +410,9 @@ def split_frames(data: bytes | bytearray | memoryview) -> list[Frame]:
 def _decode_indices(coding: IndexCoding, section: np.ndarray, numel: int, count: int,
                     arrays: Callable[[int, np.dtype], np.ndarray] | None = None
                     ) -> np.ndarray:
-    if coding is IndexCoding.DENSE:
+    if coding is _DENSE:
         return np.arange(numel, dtype=np.int64)
-    if coding is IndexCoding.BITMAP:
+    if coding is _BITMAP:
         bits = np.unpackbits(section, bitorder="little")
         if bits[numel:].any():
             raise ValueError(f"bitmap sets bits at or beyond numel {numel} (out of range)")
@@ -412,6 +420,8 @@ def _decode_indices(coding: IndexCoding, section: np.ndarray, numel: int, count:
         if indices.size != count:
             raise ValueError(f"bitmap holds {indices.size} indices, header says {count}")
         return indices
+    if not count and not section.size:  # a pull's: nothing to decode, no library call
+        return np.empty(0, np.int64)
     if arrays is not None and count and native_available():
         out = arrays(count, _INT64)
         if not native_library().hvdc_varint_decode(section.ctypes.data, section.size, count,
@@ -444,7 +454,14 @@ def _copied(array: np.ndarray, arrays: Callable[[int, np.dtype], np.ndarray]) ->
     return copy
 
 
+_MEMBERS = {cls: {int(m): m for m in cls} for cls in (Kind, IndexCoding, ValueDType)}
+"""Each header enum's members by value: a dict lookup per field, not an enum call."""
+
+
 def _enum(cls: type[IntEnum], value: int, what: str) -> IntEnum:
+    member = _MEMBERS[cls].get(value)
+    if member is not None:
+        return member
     try:
         return cls(value)
     except ValueError:

@@ -5,8 +5,8 @@ copied out of the request (so the transport frees the request at once, and the C
 reuses it for the next one); both are held until the round closes. Above glibc's ``mmap``
 threshold (or at the top of its heap, which it trims) each such array is memory the
 kernel maps and zeroes afresh: at 8 workers of 42,000 pairs, about 940 page faults a
-round, a third of the server's CPU for the round in-process (``docs/results/
-ps-grpc-397ef2b``). :class:`PushBuffers` lends arrays over anonymous mappings it keeps: a
+round, a quarter to a third of the server's CPU for the round in-process (``docs/results/
+ps-grpc-5ae705f``). :class:`PushBuffers` lends arrays over anonymous mappings it keeps: a
 block is lent to one array (and any views of it) at a time and is free again once that
 array is gone (a weak reference tells), so a block is never written while a held push
 still reads it. Sizes are rounded up to :data:`GRANULE`, so pushes of
