@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hvd_compress import Compression, Policy
+from hvd_compress import Compression, Policy, cost_model
 from hvd_compress.bench import model
 from hvd_compress.bench.cli import main
 from hvd_compress.bench.wire_bytes import measure_step
@@ -279,3 +279,39 @@ def test_a_two_level_powersgd_row_is_checked_by_the_route_it_recorded() -> None:
     rows, _ = model.check([row, unknown], base, fitted=False)
     assert rows[0]["split"] == "rounds" and rows[0]["error"] is not None
     assert rows[1]["error"] is None and "in-host bytes" in rows[1]["not_checked"]
+
+
+def test_a_round_and_kind_of_collectives_costs_one_cycle_fused_or_not() -> None:
+    """Horovod starts every request that is ready in one cycle: the top-k all-gathers of
+    one round (never fused) take one cycle between them, the dense all-reduce of the same
+    round another; a server round costs a cycle per tensor (a server has no cycle)."""
+    shapes = {f"w{i}": (256, 256) for i in range(5)} | {"b": (256,)}
+    cycle = 1e-2
+    job = model.Job(shapes, "topk:ratio=0.01")
+    with_cycle = model.predict_job(job, flat(cycle_s=cycle))
+    without = model.predict_job(job, flat())
+    assert with_cycle.collectives == 6  # five all-gathers and one all-reduce
+    assert with_cycle.step_s - without.step_s == pytest.approx(2 * cycle)
+    m = model.Model(job, flat())
+    costs = m.costs()
+    routes = m.routes(costs)
+    assert cost_model.step_cycles(costs, routes) == 2
+    assert cost_model.collectives(costs, routes) == 6  # Compression.auto's count
+    ps = dataclasses.replace(job, route="ps")
+    served = model.predict_job(ps, flat(cycle_s=cycle)).step_s - model.predict_job(
+        ps, flat()).step_s
+    assert served == pytest.approx((5 + 1) * cycle)  # five server rounds, one all-reduce
+
+
+def test_the_compute_floor_is_the_mean_of_the_runs_floor_rows_of_a_model() -> None:
+    """A floor row sends nothing, so its rows at several links measure one quantity: every
+    row of the model is predicted on their mean, whatever its link."""
+    base = model.Cluster(hosts=1, copy_bytes_per_s=1e10, compute_s=5.0)
+    floors = [{"system": "floor", "scheme": "none", "model": "tiny", "link": link,
+               "step_s": s} for link, s in (("100mbit", 0.10), ("1gbit", 0.14))]
+    assert model.compute_floors(floors) == {"tiny": pytest.approx(0.12)}
+    row = {"system": "hvd-compress", "scheme": "none", "link": "1gbit", "link_bits": 1e9,
+           "ranks": 4, "model": "tiny", "step_s": 0.2}
+    rows, _ = model.check([*floors, row, {**row, "link": "10gbit", "link_bits": 1e10}],
+                          base, fitted=False)
+    assert [r["compute_s"] for r in rows] == [pytest.approx(0.12)] * 2

@@ -25,8 +25,10 @@ The model, per step (every term from :mod:`hvd_compress.cost_model`)::
   All-to-all and all-gather rounds take ``gather_factor`` times as long; a dense sum costs
   ``reduce_s_per_byte`` more. These three are fitted for the emulated cluster (:func:`fit`,
   one ``bench cluster`` row each); on a real cluster measure them or leave them at 0/1.
-* ``cycle``: a fixed cost per fused round (Horovod's negotiation cycle: a round's further
-  buckets run in the same cycle and add their hops only), ``hops``: see
+* ``cycle``: a fixed cost per round and kind of collective (Horovod's negotiation cycle:
+  the requests of one round and kind are ready together and start in one cycle, fused or
+  not, so a round's further buckets and its unfused sparse all-gathers add their hops only;
+  :func:`hvd_compress.cost_model.step_cycles`), ``hops``: see
   :func:`hvd_compress.cost_model.hops`.
 
 Two-level (``hierarchy="host"``), the route :func:`hvd_compress.hierarchy.two_level_pipeline`
@@ -77,6 +79,7 @@ from hvd_compress.cost_model import (
     predict,
     server_bytes,
     step_collectives,
+    step_cycles,
 )
 from hvd_compress.policy import DENSE, SCHEME, Auto, Policy, cheapest_plans, measure_route
 from hvd_compress.schemes.base import Scheme
@@ -100,7 +103,8 @@ class Cluster:
         intra_bits: the link between ranks of one host, bits per second (0: unlimited).
         intra_latency_s: one-way latency of a hop between ranks of one host (the in-host
             collectives of two-level's ``rounds`` route).
-        cycle_s: fixed cost per collective (Horovod's cycle time; 0 for DDP or NCCL).
+        cycle_s: fixed cost per round and kind of collective (Horovod's cycle time; 0 for
+            DDP or NCCL; :func:`hvd_compress.cost_model.step_cycles`).
         header_share: protocol bytes per payload byte on the host link.
         cpu_s_per_byte: host CPU seconds per byte through the network stack.
         codec_scale: factor on codec and pass seconds measured here (ranks per core).
@@ -501,15 +505,19 @@ class Model:
         numel = sum(math.prod(s) for s in job.tensors.values())
         count = (1 + 2 * self.error_feedback) * job.pipeline + 2 * (job.element_bytes == 2)
         passes = count * 4 * numel / c.copy_bytes_per_s * c.codec_scale
-        exchange = predict(costs, routes, link)
+        cycles = step_cycles(costs, routes)
+        # the exchange: every route's seconds and a cycle per round and kind (not the
+        # per-collective latency of cost_model.predict, which Compression.auto uses)
+        exchange = sum(costs[n][r].seconds(link) for n, r in routes.items()) + \
+            c.cycle_s * cycles
         hop = c.latency_s * sum(hops(k, self._peers()) for k in kinds + fused)
         intra = self._intra_seconds(costs, routes)
-        inside = self._in_host_collectives(kinds, fused)
+        inside = self._in_host_collectives(cycles, kinds, fused)
         terms = {"compute": c.compute_s, "passes": passes,
                  "codec": sum(costs[n][r].compute for n, r in routes.items()),
                  "transfer": sum(costs[n][r].send_bytes for n, r in routes.items())
                  * link.seconds_per_byte,
-                 "collectives": c.cycle_s * len(kinds) + hop + inside, "intra": intra}
+                 "collectives": c.cycle_s * cycles + hop + inside, "intra": intra}
         sent = sum(self.true_bytes[(n, r)] for n, r in routes.items())
         wire = terms["transfer"]
         cpu = sent * c.cpu_s_per_byte if c.overlap else 0.0
@@ -519,14 +527,15 @@ class Model:
         count = (len(kinds) + len(fused)) * (3 if self.rounds else 1)
         return Prediction(step, terms, sent, count, routes)
 
-    def _in_host_collectives(self, kinds: Sequence[str], fused: Sequence[str]) -> float:
+    def _in_host_collectives(self, rounds: int, kinds: Sequence[str],
+                             fused: Sequence[str]) -> float:
         """Two-level ``rounds``: each cross-host all-reduce has an in-host reduce-scatter
-        and all-gather around it, each a collective of its own (a cycle per fused round,
-        ``L - 1`` in-host hops per collective)."""
+        and all-gather around it, each a collective of its own (a cycle per round, ``L - 1``
+        in-host hops per collective)."""
         c = self.cluster
         if not self.rounds:
             return 0.0
-        return 2 * (c.cycle_s * len(kinds)
+        return 2 * (c.cycle_s * rounds
                     + c.intra_latency_s * (c.per_host - 1) * (len(kinds) + len(fused)))
 
     def in_host_bytes(self, costs: Mapping[str, Mapping[str, RouteCost]],
@@ -846,18 +855,29 @@ def fit(rows: Sequence[Mapping[str, Any]], tensors: Mapping[str, tuple[int, ...]
     return base
 
 
+def compute_floors(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """Per model, the mean step of a run's compute floor rows (``system`` ``floor``: the
+    same ranks, no exchange). The floor sends nothing, so its time does not depend on the
+    link; its rows at several links are repeated measurements of one quantity, and their
+    mean is what every row of the model is predicted on."""
+    seen: dict[str, list[float]] = {}
+    for r in rows:
+        if r.get("system") == "floor" and "step_s" in r:
+            seen.setdefault(str(r["model"]), []).append(float(r["step_s"]))
+    return {m: sum(v) / len(v) for m, v in seen.items()}
+
+
 def check(rows: Sequence[Mapping[str, Any]], base: Cluster, hook_s: float = 0.1,
           fitted: bool = True) -> tuple[list[dict[str, Any]], Cluster]:
     """Every step-time row of a ``bench cluster`` run (rows with a ``step_s`` and a model
     of :data:`~hvd_compress.bench.cluster_rank.MODELS`, not the compute floor) predicted
     against its measurement; with ``fitted``, :data:`FITS` first. The compute time is the
-    run's own floor row for the model and link where it has one (``system`` ``floor``:
-    the same ranks, no exchange), else ``base.compute_s``. Returns the rows (with
+    mean of the run's own floor rows for the model where it has them
+    (:func:`compute_floors`), else ``base.compute_s``. Returns the rows (with
     ``error``, predicted / measured - 1, and ``fitted_here`` for the fit rows) and the
     cluster parameters used."""
     timed = [r for r in rows if "step_s" in r and r.get("system") != "floor"]
-    floors = {(r["model"], r["link"]): float(r["step_s"]) for r in rows
-              if r.get("system") == "floor" and "step_s" in r}
+    floors = compute_floors(rows)
     out: list[dict[str, Any]] = []
     by_model: dict[str, list[Mapping[str, Any]]] = {}
     for row in timed:
@@ -869,7 +889,7 @@ def check(rows: Sequence[Mapping[str, Any]], base: Cluster, hook_s: float = 0.1,
         used = params
         fits = {(s, sc, lk) for _, s, sc, lk in FITS}
         for row in mine:
-            floor = floors.get((model, row["link"]))
+            floor = floors.get(model)
             here = params if floor is None else dataclasses.replace(params, compute_s=floor)
             measured = float(row["step_s"])
             common = {"system": row["system"], "scheme": row["scheme"],
@@ -896,7 +916,8 @@ def check(rows: Sequence[Mapping[str, Any]], base: Cluster, hook_s: float = 0.1,
 # Command line --------------------------------------------------------------------------
 TABLE_SCHEMES = ("none", "fp16", "powersgd:rank=4", "onebit", "topk:ratio=0.001")
 CHECK_COLUMNS = [
-    Column("system", field("system")), Column("scheme", lambda r: f"`{r['scheme']}`"),
+    Column("model", field("model")), Column("system", field("system")),
+    Column("scheme", lambda r: f"`{r['scheme']}`"),
     Column("link", field("link")), Column("measured s", field("measured_s", "{:.3f}")),
     Column("predicted s", optional_field("predicted_s", "{:.3f}")),
     Column("error", lambda r: "not checked: route not recorded" if r["error"] is None else
