@@ -246,18 +246,6 @@ uint32_t kth_largest(int64_t count, Mag mags, int64_t k, std::vector<uint32_t>& 
     return low[rank];
 }
 
-struct Candidate {
-    int64_t at;
-    float value;
-    uint32_t mag;
-    int64_t pair;  // its position among the sum's pairs, or -1 (an entry not among them)
-};
-
-struct Magnitudes {  // the candidates' magnitudes, for kth_largest
-    const Candidate* cand;
-    uint32_t operator[](int64_t c) const { return cand[c].mag; }
-};
-
 // An array that keeps its memory between calls (grown, never shrunk nor cleared): a
 // round's scratch, not faulted in and zeroed by the kernel every round.
 template <typename T>
@@ -275,8 +263,7 @@ struct Buffer {
 
 struct Scratch {
     Buffer<float> old, sum;
-    Buffer<uint32_t> mag, own;
-    Buffer<Candidate> cand;
+    Buffer<uint32_t> mag, own, cand_mag;
     std::vector<uint32_t> hist;
     std::vector<int64_t> read;
 };
@@ -305,10 +292,11 @@ int64_t hvdc_topk_bounds(const float* residual, int64_t numel, uint32_t* bounds)
 // null: computed by a pass over the residual) hold for each block of 64 entries a number
 // at least the magnitude of each: the residual changes only at the sum's pairs, so its
 // top-k is found without reading all of it. The sum is added at its pairs (keeping the
-// old values), and t0 is the lower edge of the magnitude bucket holding the k-th largest
-// |s| among them: a lower bound of the k-th largest |s| of all entries when n >= k (else
-// t0 = 0). The candidates are the pairs with |s| >= t0 and every entry of the blocks whose
-// bound reaches t0; every other entry is below t0, so the k-th largest candidate is the
+// old values), and t0 is the k-th largest |s| among them when n >= k (else 0): k
+// entries reach it, so it is a lower bound of the k-th largest |s| of all entries, and
+// the tightest that the pairs give (the fewest blocks read). The candidates are the pairs
+// with |s| >= t0 and every entry of the blocks whose bound reaches t0; every other entry
+// is below t0, so the k-th largest candidate is the
 // k-th largest of all, exactly, ties included, and a non-finite entry (its block's bound
 // is at least infinity's magnitude) is always among those read. The bounds of the blocks
 // read are then recomputed exactly, the others raised to the pairs' new |residual|.
@@ -345,10 +333,10 @@ int64_t hvdc_topk_bounded(float* residual, int64_t numel, uint32_t* bounds,
         restore();
         return -2;
     }
-    uint32_t t0 = 0, kth_pairs = 0;  // the k-th largest |s| of the pairs, its bucket's edge
+    uint32_t t0 = 0, kth_pairs = 0;  // the k-th largest |s| of the pairs, the threshold
     if (k > 0 && n >= k) {
         kth_pairs = kth_largest(n, mag, k, w.hist);
-        t0 = kth_pairs & ~uint32_t(0xFFFF);
+        t0 = kth_pairs;
     }
     // The blocks to read (their bound reaches t0), then the candidates in index order:
     // the pairs with |s| >= t0 outside those blocks, and those blocks' entries >= t0.
@@ -366,55 +354,69 @@ int64_t hvdc_topk_bounded(float* residual, int64_t numel, uint32_t* bounds,
         for (; b < blocks; ++b)
             if (bounds[b] >= t0) read.push_back(b);
     }
-    Candidate* const cand = w.cand.ensure(k > 0 ? n + int64_t(read.size()) * kBoundBlock : 0);
-    int64_t count = 0, j = 0;
-    auto pairs_below = [&](int64_t end) {  // written always, kept when >= t0: no branch
-        for (; j < n && u_idx[j] < end; ++j) {
-            cand[count] = {u_idx[j], sum[j], mag[j], j};
-            count += mag[j] >= t0;
-        }
-    };
-    for (int64_t r : read) {
+    for (int64_t r : read) {  // a non-finite entry lies in a block read
         const int64_t lo = r * kBoundBlock, hi = std::min(lo + kBoundBlock, numel);
-        pairs_below(lo);
-        while (j < n && u_idx[j] < hi) ++j;
         uint32_t most = 0;
-        for (int64_t i = lo; i < hi; ++i) {
-            const uint32_t m = magnitude(residual[i]);
-            most = std::max(most, m);
-            cand[count] = {i, residual[i], m, -1};
-            count += m >= t0;
-        }
+        for (int64_t i = lo; i < hi; ++i) most = std::max(most, magnitude(residual[i]));
         if (most >= kNonFinite) {
             restore();
             return -2;
         }
     }
-    if (k > 0) pairs_below(INT64_MAX);
+    // Visits (at, value, |value|, pair) of every entry that may be a candidate, in index
+    // order: each pair outside the blocks read (pair: its position), then each entry of
+    // those blocks (pair -1; its residual holds s where a pair lands).
+    auto walk = [&](auto&& visit) {
+        int64_t j = 0;
+        auto pairs_below = [&](int64_t end) {
+            for (; j < n && u_idx[j] < end; ++j) visit(u_idx[j], sum[j], mag[j], j);
+        };
+        for (int64_t r : read) {
+            const int64_t lo = r * kBoundBlock, hi = std::min(lo + kBoundBlock, numel);
+            pairs_below(lo);
+            while (j < n && u_idx[j] < hi) ++j;
+            for (int64_t i = lo; i < hi; ++i) visit(i, residual[i], magnitude(residual[i]), -1);
+        }
+        pairs_below(INT64_MAX);
+    };
     int64_t written = 0;
-    if (k > 0) {  // count >= k (see above)
-        // No block read: the candidates are the pairs >= t0, whose k-th is the pairs'.
-        const uint32_t kth = read.empty() && n >= k
-                                 ? kth_pairs
-                                 : kth_largest(count, Magnitudes{cand}, k, w.hist);
+    if (k > 0) {  // k candidates at least reach t0 (see above)
+        uint32_t kth = kth_pairs;  // no block read: the candidates' k-th is the pairs'
         int64_t above = 0;
-        for (int64_t c = 0; c < count; ++c) above += cand[c].mag > kth;
-        int64_t ties = k - above;  // entries equal to the k-th to take
-        for (int64_t c = 0; c < count; ++c) {
-            if (c + kAhead < count) __builtin_prefetch(residual + cand[c + kAhead].at, 1);
-            if (cand[c].mag < kth) continue;
-            if (cand[c].mag == kth) {
-                if (!ties) continue;
-                --ties;
-            }
-            const int64_t at = cand[c].at;
-            out_idx[written] = at;
-            out_val[written++] = cand[c].value;
-            residual[at] = 0.0f;
-            if (cand[c].pair >= 0) mag[cand[c].pair] = 0;  // the pair's new |residual|
+        if (read.empty() && n >= k) {
+            for (int64_t c = 0; c < n; ++c) above += mag[c] > kth;
+        } else {
+            // The candidates' magnitudes (those >= t0), each written, kept when >= t0.
+            uint32_t* const cmag = w.cand_mag.ensure(n + int64_t(read.size()) * kBoundBlock);
+            int64_t count = 0;
+            walk([&](int64_t, float, uint32_t m, int64_t) {
+                cmag[count] = m;
+                count += m >= t0;
+            });
+            kth = kth_largest(count, cmag, k, w.hist);
+            for (int64_t c = 0; c < count; ++c) above += cmag[c] > kth;
+        }
+        // The winners in index order, without a branch per entry: every entry above the
+        // k-th and the first (k - above) equal to it, each written, kept when it wins; a
+        // winning pair's |residual| becomes 0.
+        int64_t ties = k - above, sink_idx;
+        float sink_val;
+        walk([&](int64_t at, float value, uint32_t m, int64_t pair) {
+            const bool tie = m == kth && ties > 0;
+            const bool win = m > kth || tie;
+            ties -= tie;
+            const bool room = written < k;  // past the k-th winner: written to a sink
+            *(room ? out_idx + written : &sink_idx) = at;
+            *(room ? out_val + written : &sink_val) = value;
+            written += win;
+            if (pair >= 0) mag[pair] = win ? 0 : m;
+        });
+        for (int64_t c = 0; c < written; ++c) {  // their residual is 0
+            if (c + kAhead < written) __builtin_prefetch(residual + out_idx[c + kAhead], 1);
+            residual[out_idx[c]] = 0.0f;
         }
     }
-    for (j = 0; j < n; ++j) {
+    for (int64_t j = 0; j < n; ++j) {
         uint32_t& bound = bounds[u_idx[j] / kBoundBlock];
         bound = std::max(bound, mag[j]);
     }
