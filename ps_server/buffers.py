@@ -28,6 +28,9 @@ GRANULE = 64 << 10
 """Block sizes are multiples of this many bytes."""
 MIN_BYTES = 64 << 10
 """Arrays smaller than this come from ``np.empty``: the C heap recycles them."""
+TRIM_EVERY = 64
+"""Free blocks are checked against the bounds when a block is mapped and every this many
+lends (the pool grows only by mapping, so the bounds hold then)."""
 
 
 class _Block:
@@ -69,12 +72,14 @@ class PushBuffers:
                 if candidate.size == size and candidate.free():
                     block = candidate
                     break
-            if block is None:
+            mapped = block is None
+            if mapped:
                 block = _Block(size)
                 self._blocks.append(block)
             lent = np.frombuffer(block.memory, dtype, count)
             block.user, block.lent_at = weakref.ref(lent), self._lends
-            self._trim()
+            if mapped or self._lends % TRIM_EVERY == 0:
+                self._trim()
         return lent
 
     def _trim(self) -> None:
