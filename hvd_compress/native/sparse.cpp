@@ -87,6 +87,8 @@ bool strictly_increasing(const int64_t* idx, int64_t count) {
 // the output at `at`.
 struct Stream {
     int64_t ia, ea, ib, eb, at;
+    int64_t last = INT64_MIN;  // the index it wrote last
+    int64_t bad = 0;           // nonzero once an index it wrote did not exceed the one before
 };
 
 // One output pair of a merge_two stream, without a branch: the lower next index of the
@@ -110,11 +112,15 @@ inline void merge_step(Stream& t, const int64_t* a, const float* va, const int64
     float fx, fy;
     std::memcpy(&fx, &ux, 4);
     std::memcpy(&fy, &uy, 4);
-    out_idx[t.at] = tx ? x : y;
+    const int64_t out = tx ? x : y;
+    out_idx[t.at] = out;
     out_val[t.at] = (0.0f + fx) + fy;
     t.ia += tx;
     t.ib += ty;
-    t.at += !CHECKED || (ha | hb);
+    const bool wrote = !CHECKED || (ha | hb);
+    t.at += wrote;
+    t.bad |= wrote & (out <= t.last);
+    t.last = wrote ? out : t.last;
 }
 
 // hvdc_merge_sum of two lists (a, na) and (b, nb), the same bits as the accumulator. The
@@ -123,10 +129,12 @@ inline void merge_step(Stream& t, const int64_t* a, const float* va, const int64
 // while another's waits. Each writes its union to its own stretch of the output (its
 // pairs and one of slack); the stretches are then moved together. The steps run in
 // batches that no list can finish inside, without the checks of a finished list, and
-// the last few dozen with them.
+// the last few dozen with them. The lists' order is checked on the output as it is
+// written, not by passes over the lists first: each pair of a list is written once, in
+// the list's order, as its own index, so the output increases strictly exactly when both
+// lists do (a decreasing list gives -1 once merged).
 int64_t merge_two(const int64_t* a, const float* va, int64_t na, const int64_t* b,
                   const float* vb, int64_t nb, int64_t* out_idx, float* out_val) {
-    if (!strictly_increasing(a, na) || !strictly_increasing(b, nb)) return -1;
     const int64_t* const longer = na >= nb ? a : b;
     const int64_t nl = std::max(na, nb);
     Stream t[kStreams];
@@ -160,14 +168,15 @@ int64_t merge_two(const int64_t* a, const float* va, int64_t na, const int64_t* 
 #pragma GCC unroll 8
         for (int p = 0; p < kStreams; ++p)
             merge_step<true>(t[p], a, va, b, vb, out_idx, out_val);
-    int64_t n = t[0].at;
+    int64_t n = t[0].at, bad = t[0].bad;
     for (int p = 1; p < kStreams; ++p) {
         const int64_t count = t[p].at - from[p];
         std::memmove(out_idx + n, out_idx + from[p], size_t(count) * 8);
         std::memmove(out_val + n, out_val + from[p], size_t(count) * 4);
+        bad |= t[p].bad | (count > 0 && n > 0 && out_idx[n] <= out_idx[n - 1]);
         n += count;
     }
-    return n;
+    return bad ? -1 : n;
 }
 
 // The body of hvdc_merge_sum (see there).
@@ -300,11 +309,10 @@ int64_t hvdc_topk_bounds(const float* residual, int64_t numel, uint32_t* bounds)
 // k-th largest of all, exactly, ties included, and a non-finite entry (its block's bound
 // is at least infinity's magnitude) is always among those read. The bounds of the blocks
 // read are then recomputed exactly, the others raised to the pairs' new |residual|.
-int64_t hvdc_topk_bounded(float* residual, int64_t numel, uint32_t* bounds,
-                          const int64_t* u_idx, const float* u_val, int64_t n, int64_t k,
-                          int64_t* out_idx, float* out_val) {
-    for (int64_t j = 1; j < n; ++j)
-        if (u_idx[j] <= u_idx[j - 1]) return -1;
+// topk_of_union is its body, for a u_idx already known to increase strictly.
+static int64_t topk_of_union(float* residual, int64_t numel, uint32_t* bounds,
+                             const int64_t* u_idx, const float* u_val, int64_t n, int64_t k,
+                             int64_t* out_idx, float* out_val) {
     if (k > numel) k = numel;
     const int64_t blocks = (numel + kBoundBlock - 1) / kBoundBlock;
     Scratch& w = scratch();
@@ -425,6 +433,13 @@ int64_t hvdc_topk_bounded(float* residual, int64_t numel, uint32_t* bounds,
         block_bounds(residual + lo, std::min(kBoundBlock, numel - lo), bounds + r);
     }
     return written;
+}
+
+int64_t hvdc_topk_bounded(float* residual, int64_t numel, uint32_t* bounds,
+                          const int64_t* u_idx, const float* u_val, int64_t n, int64_t k,
+                          int64_t* out_idx, float* out_val) {
+    if (!strictly_increasing(u_idx, n)) return -1;
+    return topk_of_union(residual, numel, bounds, u_idx, u_val, n, k, out_idx, out_val);
 }
 
 // hvdc_topk_bounded with bounds computed by a pass over the residual (a caller that keeps
@@ -665,8 +680,8 @@ int64_t hvdc_round_bounded(int64_t lists, const int64_t* const* idx, const float
     const int64_t n = merge_lists(lists, idx, val, counts, out_idx, out_val);
     *union_count = n;
     if (n < 0 || residual == nullptr) return n;
-    return hvdc_topk_bounded(residual, numel, bounds, out_idx, out_val, n, k, agg_idx,
-                             agg_val);
+    return topk_of_union(residual, numel, bounds, out_idx, out_val, n, k, agg_idx,
+                         agg_val);  // the union increases strictly: not checked again
 }
 
 // hvdc_round_bounded without bounds kept between rounds (see hvdc_topk).
