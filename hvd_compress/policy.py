@@ -439,6 +439,22 @@ def _from_rank0(routes: Mapping[str, str], names: Sequence[str], run: Run, rank:
 
 # Routes: what the pipeline asks ---------------------------------------------------------
 DENSE_SCHEME = NoCompression()
+
+DEFAULT_BUCKET_MB = 64.0
+"""An optimizer's bucket size (MiB of float32 gradients) when neither the caller nor the
+scheme names one: Horovod's fusion threshold."""
+
+
+def default_bucket_mb(compression: object) -> float:
+    """The bucket size an optimizer uses when its ``bucket_mb`` is left at its default: the
+    scheme's ``fusion_mb`` if it names one, else :data:`DEFAULT_BUCKET_MB`.
+
+    A scheme whose exchange is two dependent rounds of sizeable payloads (1-bit's
+    compressed all-reduce: an all-to-all, then an all-gather) prefers smaller buckets, so
+    that the first buckets' rounds travel while backward still runs instead of all after
+    it (docs/benchmarks.md, "Across models and launchers")."""
+    preferred = getattr(compression, "fusion_mb", None)
+    return float(preferred) if preferred else DEFAULT_BUCKET_MB
 """The scheme of a tensor sent dense: a plain all-reduce."""
 
 

@@ -63,6 +63,12 @@ class OneBit(PackedScheme):
     """
 
     name = "onebit"
+    fusion_mb = 8.01
+    """The optimizers' bucket size (MiB of float32 gradients) for 1-bit when ``bucket_mb``
+    is not given (:func:`hvd_compress.policy.default_bucket_mb`): a 2 M-element layer and a
+    bias of up to 2,600 elements per bucket, so that a layer's all-to-all starts while
+    backward computes the layers before it. Measured against the 64 MiB default on the
+    emulated cluster (docs/benchmarks.md, "Across models and launchers")."""
     sliceable = True
     error_feedback = True
     kernel = "onebit"

@@ -25,7 +25,7 @@ from hvd_compress.comm.ps_client import check_timeout
 from hvd_compress.comm.torch_dist import TorchDistCommunicator, check_nccl, horovod_group
 from hvd_compress.hierarchy import HierarchicalPipeline, check_hierarchy, horovod_pipeline
 from hvd_compress.pipeline import DEFAULT_REPORT_EVERY, Pipeline
-from hvd_compress.policy import Policy
+from hvd_compress.policy import DEFAULT_BUCKET_MB, Policy, default_bucket_mb
 from hvd_compress.schemes.base import Scheme
 from hvd_compress.stats import CompressionStats, StatsLogger
 from hvd_compress.torch.broadcast import any_dtype_broadcasts
@@ -323,7 +323,7 @@ def DistributedOptimizer(
     policy: Policy | None = None,
     seed: int = 0,
     ps: str | None = None,
-    bucket_mb: float | None = 64,
+    bucket_mb: float | None = DEFAULT_BUCKET_MB,
     connect_timeout: float | None = None,
     report_every: int = DEFAULT_REPORT_EVERY,
     collectives: str = "horovod",
@@ -361,8 +361,9 @@ def DistributedOptimizer(
             registration order (the order backward produces gradients). Once a bucket's
             gradients are ready, each communication round goes as one collective per kind
             and dtype. Smaller buckets start communicating earlier; larger ones start fewer
-            collectives. Default 64 (Horovod's fusion threshold); ``None`` or 0: one bucket,
-            started once backward has finished.
+            collectives. Default 64 (Horovod's fusion threshold), or the scheme's own size
+            when it names one (:func:`~hvd_compress.policy.default_bucket_mb`: 1-bit 8.01);
+            ``None`` or 0: one bucket, started once backward has finished.
         connect_timeout: seconds to wait for a gRPC server that does not answer at all
             before the step fails with a ``PSError`` naming it (default
             ``$HVD_COMPRESS_PS_CONNECT_TIMEOUT``, else 10 s); failures after a server has
@@ -407,6 +408,8 @@ def DistributedOptimizer(
     check_horovod_arguments(hvd, op=op, gradient_predivide_factor=gradient_predivide_factor,
                             groups=groups, num_groups=num_groups,
                             backward_passes_per_step=backward_passes_per_step)
+    if bucket_mb is DEFAULT_BUCKET_MB:  # not given: the scheme's preference, if any
+        bucket_mb = default_bucket_mb(compression)
     if bucket_mb is not None and bucket_mb < 0:
         raise ValueError(f"bucket_mb must be >= 0 or None, got {bucket_mb}")
     if collectives not in COLLECTIVES:
