@@ -12,7 +12,8 @@ array is gone (a weak reference tells), so a block is never written while a held
 still reads it. Sizes are rounded up to :data:`GRANULE`, so pushes of
 nearby sizes share blocks. What the pool keeps free is bounded: at most ``max_free_bytes``
 of free blocks (the least recently lent go first), and a block not lent for
-``idle_lends`` lends is unmapped; lent blocks count against the server's push budget like
+``idle_lends`` lends is unmapped, and every free block when idle tensors expire
+(:meth:`PushBuffers.release`); lent blocks count against the server's push budget like
 any decoded push.
 """
 
@@ -94,6 +95,11 @@ class PushBuffers:
                 free_bytes += block.size
             kept.append(block)
         self._blocks = kept
+
+    def release(self) -> None:
+        """Unmap every free block (the server calls it when idle tensors expire)."""
+        with self._lock:
+            self._blocks = [block for block in self._blocks if not block.free()]
 
     def held_bytes(self) -> int:
         """Bytes of the blocks the pool holds, lent or free."""

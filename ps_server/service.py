@@ -265,10 +265,13 @@ class ShardService:
         """Fail rounds past their deadline, expire idle tensors (and the hosts bound to
         their sessions), wake the checkpoint writer."""
         self.store.expire()
-        if self._hosts and self.store.expired_tensors != self._expired_seen:
+        if self.store.expired_tensors != self._expired_seen:
             self._expired_seen = self.store.expired_tensors
-            live = {name.split("/", 1)[0] for name in self.store.rounds()}
-            self._hosts = {key: host for key, host in self._hosts.items() if key[0] in live}
+            self.push_buffers.release()  # like the store's malloc_trim after an expiry
+            if self._hosts:
+                live = {name.split("/", 1)[0] for name in self.store.rounds()}
+                self._hosts = {key: host for key, host in self._hosts.items()
+                               if key[0] in live}
         self.after_requests()
 
     def _check_host(self, frame: Frame, peer: str) -> None:

@@ -11,6 +11,8 @@ import pytest
 from hvd_compress.native import available
 from hvd_compress.sparse_wire import Kind, crc32, decode_frame, encode_frame
 from ps_server.buffers import GRANULE, MIN_BYTES, TRIM_EVERY, PushBuffers
+from ps_server.service import ShardService
+from ps_server.store import ShardStore
 
 
 def test_small_arrays_come_from_numpy() -> None:
@@ -54,6 +56,33 @@ def test_free_blocks_are_bounded() -> None:
     for _ in range(TRIM_EVERY):  # the same block again; idle ones go at a periodic check
         pool.lend(2 * GRANULE // 8)
     assert pool.held_bytes() == 2 * GRANULE
+
+
+def test_release_unmaps_free_blocks_only() -> None:
+    pool = PushBuffers()
+    kept = pool.lend(GRANULE // 8)
+    pool.lend(2 * GRANULE // 8)  # dropped at once: free
+    gc.collect()
+    assert pool.held_bytes() == 3 * GRANULE
+    pool.release()
+    assert pool.held_bytes() == GRANULE
+    kept[:] = 1  # still mapped
+    assert (kept == 1).all()
+
+
+def test_a_server_releases_free_blocks_when_tensors_expire() -> None:
+    now = [0.0]
+    service = ShardService(ShardStore(1, 0, 1, deadline=1.0, idle_timeout=2.0,
+                                      clock=lambda: now[0]))
+    idx = np.arange(0, 1 << 20, 8, dtype=np.int64)
+    service.push(encode_frame(Kind.PUSH, "s/t", 0, 1, 0, 0, 1 << 20, idx,
+                              np.ones(idx.size, np.float32)), "peer")
+    gc.collect()
+    assert service.push_buffers.held_bytes() > 0  # the closed round's arrays, now free
+    now[0] = 10.0
+    service.tick()
+    assert service.store.expired_tensors == 1
+    assert service.push_buffers.held_bytes() == 0
 
 
 @pytest.mark.skipif(not available(), reason="native library unavailable")
