@@ -150,22 +150,7 @@ class Pipeline:
             A measurement reads the tensor once or twice (a compressed all-reduce also
             decodes its own payload) and waits for the result on the host, so it is kept
             off most steps (docs/benchmarks.md has its cost).
-
-    ``eager_phases`` (an attribute, default ``True``; a performance switch, not an option:
-    checkpoints do not record it): on a communicator that matches collectives by start
-    order (``ordered``: the ``collectives="gloo"`` route), when a planned bucket starts
-    during the step, every bucket started before it first finishes its current phase
-    (waiting for it) and starts its next one, so that a multi-round scheme's later rounds
-    (PowerSGD's ``Q``) of the first buckets travel while backward still runs, not all after
-    it. There buckets start in plan order on every rank, so every rank waits at the same
-    points and starts the same sequence of collectives. Not on a communicator that matches
-    by name (Horovod's): there ranks may complete buckets in different orders, and a rank
-    waiting for a bucket another rank has not started yet, while that rank waits for one
-    the first has not started, would deadlock. Off: every later phase starts in
-    :meth:`wait`.
     """
-
-    eager_phases = True
 
     def __init__(self, scheme: Scheme | Auto, comm: Communicator, policy: Policy | None = None,
                  average: bool = True, prescale: float = 1.0, seed: int = 0,
@@ -431,19 +416,8 @@ class Pipeline:
         # starts the same sequence.
         while (ready := self._open.get(self._next_bucket)) is not None \
                 and len(ready.members) == ready.expected:
-            self._advance_launched()
             self._launch(ready)
             self._next_bucket += 1
-
-    def _advance_launched(self) -> None:
-        """With ``eager_phases``, on an ordered communicator only (the caller's): every
-        bucket started in this step with a phase in flight finishes that phase and starts
-        its next one (in start order), before another bucket starts (the class notes)."""
-        if not self.eager_phases:
-            return
-        for bucket in self._launched:
-            if bucket.groups:
-                self._finish_phase(bucket)
 
     def _launch_unplanned(self) -> None:
         flights = sorted(self._unplanned, key=lambda f: f.name)
