@@ -439,6 +439,7 @@ def _from_rank0(routes: Mapping[str, str], names: Sequence[str], run: Run, rank:
 
 # Routes: what the pipeline asks ---------------------------------------------------------
 DENSE_SCHEME = NoCompression()
+"""The scheme of a tensor sent dense: a plain all-reduce."""
 
 DEFAULT_BUCKET_MB = 64.0
 """An optimizer's bucket size (MiB of float32 gradients) when neither the caller nor the
@@ -455,7 +456,6 @@ def default_bucket_mb(compression: object) -> float:
     it (docs/benchmarks.md, "Across models and launchers")."""
     preferred = getattr(compression, "fusion_mb", None)
     return float(preferred) if preferred else DEFAULT_BUCKET_MB
-"""The scheme of a tensor sent dense: a plain all-reduce."""
 
 
 class Routes:
