@@ -562,3 +562,28 @@ def test_emulated_hosts_are_removed_when_the_benchmark_is_terminated(signum: int
     assert [line for line in listed.splitlines() if line.startswith(prefix)] == []
     assert [line for line in links.splitlines()
             if line.startswith(f"hv{child.pid % 100000}up")] == []
+
+
+def test_cluster_targets_take_each_scheme_on_its_faster_route() -> None:
+    """1-bit and top-k, like PowerSGD, are held against DDP's hook on the faster of their
+    routes (Horovod's collectives or ``@gloo``), one line per scheme; the server route and
+    the two-level route stay scheme variants of their own."""
+    from hvd_compress.bench import cluster
+
+    def row(system: str, scheme: str, step_s: float) -> dict[str, Any]:
+        return {"model": "mlp8m", "link": "100mbit", "system": system, "scheme": scheme,
+                "step_s": step_s, "step_p90_s": step_s}
+
+    rows = [row("ddp", "powersgd:rank=4,start_iter=2", 0.20),
+            row("hvd-compress", "onebit", 0.30), row("hvd-compress", "onebit@gloo", 0.19),
+            row("hvd-compress", "topk:ratio=0.001", 0.25),
+            row("hvd-compress", "topk:ratio=0.001@ps", 0.18)]
+    lines = [line for line in cluster._hook_targets(rows, "mlp8m", "100mbit")
+             if "<= DDP powerSGD_hook" in line]
+    assert len(lines) == 3, lines
+    assert any(line.startswith("PASS") and "onebit@gloo 0.190 s" in line for line in lines)
+    assert not any(" onebit 0.300 s" in line for line in lines)
+    assert any(line.startswith("FAIL") and "topk:ratio=0.001 0.250 s" in line
+               for line in lines)
+    assert any(line.startswith("PASS") and "topk:ratio=0.001@ps 0.180 s" in line
+               for line in lines)
