@@ -158,9 +158,9 @@ def step_collectives(costs: Mapping[str, Mapping[str, RouteCost]],
 def step_cycles(costs: Mapping[str, Mapping[str, RouteCost]], routes: Mapping[str, str]) -> int:
     """Negotiation cycles a step of these routes takes: one per distinct (round, kind),
     sparse all-gathers included (the requests of one round and kind are ready together and
-    Horovod's background loop starts them all in one cycle, fused or not; a run's 11
-    top-k all-gathers of one round waited 14 ms in all at a 10 ms cycle), plus one per
-    server round of each tensor (a parameter server has no cycle to share)."""
+    Horovod's background loop starts them all in one cycle, fused or not: measured in
+    ``docs/results/model/check-cycles-915bfdb``), plus one per server round of each tensor
+    (a parameter server has no cycle to share)."""
     cycles: set[tuple[int, str]] = set()
     alone = 0
     for name, route in routes.items():

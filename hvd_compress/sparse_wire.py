@@ -50,8 +50,6 @@ from enum import IntEnum
 
 import numpy as np
 
-from hvd_compress.native import available as native_available
-from hvd_compress.native import library as native_library
 from hvd_compress.native import sparse as native_sparse
 
 MAGIC = b"HVPS"
@@ -102,6 +100,7 @@ _NUMPY_DTYPES = {ValueDType.FP32: np.dtype("<f4"), ValueDType.FP16: np.dtype("<f
 # Members as module names: reading an enum member off its class costs a few hundred ns on
 # Python 3.11, several times per decoded frame.
 _VARINT, _BITMAP, _DENSE = IndexCoding.VARINT, IndexCoding.BITMAP, IndexCoding.DENSE
+_INT64 = np.dtype(np.int64)
 
 
 @dataclass(frozen=True)
@@ -420,15 +419,8 @@ def _decode_indices(coding: IndexCoding, section: np.ndarray, numel: int, count:
         if indices.size != count:
             raise ValueError(f"bitmap holds {indices.size} indices, header says {count}")
         return indices
-    if not count and not section.size:  # a pull's: nothing to decode, no library call
-        return np.empty(0, np.int64)
-    if arrays is not None and count and native_available():
-        out = arrays(count, _INT64)
-        if not native_library().hvdc_varint_decode(section.ctypes.data, section.size, count,
-                                                   numel, out.ctypes.data):
-            return out
-        # A malformed section: the allocating decode below raises its error message.
-    indices = native_sparse.varint_decode_indices(section, count, numel)
+    out = arrays(count, _INT64) if arrays is not None and count else None
+    indices = native_sparse.varint_decode_indices(section, count, numel, out)
     if indices is not None:
         return indices
     gaps = varint_decode(section, count)
@@ -442,9 +434,6 @@ def _decode_indices(coding: IndexCoding, section: np.ndarray, numel: int, count:
         raise ValueError(f"index {int(indices[-1])} out of range for a shard of {numel} "
                          "elements")
     return indices
-
-
-_INT64 = np.dtype(np.int64)
 
 
 def _copied(array: np.ndarray, arrays: Callable[[int, np.dtype], np.ndarray]) -> np.ndarray:

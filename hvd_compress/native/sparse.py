@@ -48,15 +48,19 @@ def _ptr(a: np.ndarray) -> int:
     return a.ctypes.data
 
 
-def varint_decode_indices(section: np.ndarray, count: int, numel: int) -> np.ndarray | None:
-    """Strictly increasing int64 indices from a delta+varint section; raises ValueError."""
+def varint_decode_indices(section: np.ndarray, count: int, numel: int,
+                          out: np.ndarray | None = None) -> np.ndarray | None:
+    """Strictly increasing int64 indices from a delta+varint section, written into ``out``
+    (``count`` contiguous int64, e.g. recycled memory) when given; raises ValueError.
+    None when the library is unavailable."""
+    if count == 0 and section.size == 0:  # a pull's: what the library answers, no lookup
+        return np.empty(0, np.int64)
     lib = _lib()
     if lib is None:
         return None
-    if count == 0 and section.size == 0:  # a pull: what the library answers, without a call
-        return np.empty(0, np.int64)
     section = np.ascontiguousarray(section, dtype=np.uint8)
-    out = indices_array(count)
+    if out is None:
+        out = indices_array(count)
     status = lib.hvdc_varint_decode(_ptr(section), section.size, count, numel, _ptr(out))
     if status:
         raise ValueError(_varint_error(status, section, count, numel))
