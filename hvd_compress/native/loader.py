@@ -1,8 +1,9 @@
 """Finding, building and loading the native kernels; numpy and ctypes only (no torch).
 
-The kernels (``codecs.cpp``, ``sparse.cpp`` and ``version.cpp``) are compiled when the
-package is installed, into the extension file ``hvd_compress/native/_kernels*.so`` (see
-``setup.py``); :func:`library` loads that file with :mod:`ctypes`.
+The kernels (``codecs.cpp``, ``sparse.cpp``, ``select.cpp`` and ``version.cpp``) are
+compiled when the package is installed, into the extension file
+``hvd_compress/native/_kernels*.so`` (see ``setup.py``); :func:`library` loads that file
+with :mod:`ctypes`.
 
 Invariants: a library is used only when its ``hvdc_source_hash()`` equals
 :func:`source_hash` of the sources beside it (an edited checkout never runs a stale
@@ -39,7 +40,8 @@ from pathlib import Path
 from hvd_compress.native import cpu
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "codecs.cpp", HERE / "sparse.cpp", HERE / "version.cpp")
+SOURCES = (HERE / "codecs.cpp", HERE / "sparse.cpp", HERE / "select.cpp",
+           HERE / "version.cpp")
 COMPILE_FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-std=c++17")
 """``-ffp-contract=off``: no fused multiply-adds, so the float32 arithmetic of every code
 is the torch reference's, operation for operation. ``-march`` comes from :func:`march`."""
@@ -76,8 +78,9 @@ _SPARSE_SIGNATURES: dict[str, tuple] = {
     "round": (_c_int64, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_int64,
               _c_int64, _c_ptr, _c_ptr),
     "frame_encode": (_c_ptr, _c_int64, _c_ptr, _c_ptr, _c_int64, _c_int64, _c_int64, _c_ptr),
+    "select_magnitude": (_c_ptr, _c_int64, ctypes.c_float, _c_ptr, _c_int64),  # select.cpp
 }
-"""Argument types of the ``sparse.cpp`` kernels that return an int64."""
+"""Argument types of the ``sparse.cpp`` (and ``select.cpp``) kernels that return an int64."""
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None

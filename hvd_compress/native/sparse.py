@@ -137,3 +137,22 @@ def crc32(data: bytes | bytearray | memoryview, crc: int = 0) -> int | None:
         _crc_unsupported = True
         return None
     return int(result)
+
+
+# Top-k's candidate selection on a worker (select.cpp) ------------------------------------
+def select_magnitude(x: np.ndarray, threshold: float, capacity: int) -> np.ndarray | None:
+    """The increasing int64 indices of the entries of the flat float32 ``x`` whose
+    magnitude is at least ``threshold`` (``np.flatnonzero(np.abs(x) >= threshold)``, NaN
+    entries never passing), in one pass over ``x`` and no array of its size; ``capacity``
+    is the count expected (more are found in a second pass). None if not native."""
+    lib = _lib()
+    if lib is None:
+        return None
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty(max(capacity, 1), dtype=np.int64)
+    count = lib.hvdc_select_magnitude(_ptr(x), x.size, float(threshold), _ptr(out), out.size)
+    if count > out.size:  # more passed than expected: again, with room for all of them
+        out = np.empty(count, dtype=np.int64)
+        count = lib.hvdc_select_magnitude(_ptr(x), x.size, float(threshold), _ptr(out),
+                                          out.size)
+    return out[:count]

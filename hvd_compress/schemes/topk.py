@@ -9,9 +9,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from hvd_compress import native
 from hvd_compress import triton as gpu
 from hvd_compress.comm.ops import SparseSum, nbytes
 from hvd_compress.comm.ps_transport.base import counted_pairs
+from hvd_compress.native import sparse as native_sparse
 from hvd_compress.schemes.base import Exchange, ExchangeContext, Outcome, Scattered, Scheme
 
 
@@ -80,6 +82,32 @@ def largest(magnitude: torch.Tensor, k: int, generator: torch.Generator) -> torc
     return candidates[magnitude[candidates].topk(k, sorted=False).indices]
 
 
+def largest_of(x: torch.Tensor, k: int, generator: torch.Generator) -> torch.Tensor:
+    """Indices of the ``k`` entries of largest magnitude of the flat ``x``: exactly
+    ``largest(x.abs(), k, generator)`` (the same sample, threshold and candidates, in the
+    same order, so the same indices), without the array of magnitudes where it can.
+
+    On a CPU with the native library, a float32 ``x`` large enough to be sampled has its
+    candidates picked in one pass over the signed values
+    (:func:`hvd_compress.native.sparse.select_magnitude`: no ``|x|``, no mask of ``n``
+    entries); only the sample and the candidates are taken in magnitude. Elsewhere, and
+    when the library is unavailable, :func:`largest` of ``x.abs()``.
+    """
+    n = x.numel()
+    if n <= 2 * SAMPLE or k > n // 64 or x.device.type != "cpu" \
+            or x.dtype != torch.float32 or not native.available():
+        return largest(x.abs(), k, generator)
+    picks = torch.randint(0, n, (SAMPLE,), generator=generator)
+    rank = min(SAMPLE, max(1, -(-SPARE * k * SAMPLE // n)))
+    threshold = x[picks].abs().topk(rank, sorted=False).values.min()
+    found = native_sparse.select_magnitude(x.detach().reshape(-1).numpy(), float(threshold),
+                                           2 * SPARE * k)
+    if found is None or found.size < k:  # the library went away, or a sample fell badly
+        return x.abs().topk(k, sorted=False).indices
+    candidates = torch.from_numpy(found)
+    return candidates[x[candidates].abs().topk(k, sorted=False).indices]
+
+
 class TopK(Scheme):
     """Top-k sparsification (Aji & Heafield 2017, "Sparse Communication for Distributed
     Gradient Descent"; with error feedback as in Stich et al. 2018, "Sparsified SGD with
@@ -116,7 +144,7 @@ class TopK(Scheme):
                  ctx: ExchangeContext) -> Exchange:
         flat = x.reshape(-1)
         k = sparse_count(self.ratio, flat.numel())
-        indices = largest(flat.abs(), k, ctx.generator("topk-sample", torch.device("cpu")))
+        indices = largest_of(flat, k, ctx.generator("topk-sample", torch.device("cpu")))
         request = SparseSum("sparse", flat.numel(), indices, flat[indices].to(self._dtype))
         # Pairs a server quorum refused as late stay in the residual (counted_pairs).
         total, indices, values = counted_pairs((yield request), indices, request.values)
