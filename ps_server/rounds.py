@@ -210,15 +210,21 @@ def encode_aggregate(tensor: str, shard: int, shards: int, finished: Finished, s
     if dtype is ValueDType.FP32 and native_available():
         name = tensor.encode("utf-8")
         count = int(idx.size)
-        sizes = {IndexCoding.VARINT: native_sparse.varint_index_nbytes(idx) + 4 * count,
+        # the varint section written once (its size is the section's), unless a bitmap
+        # is surely smaller (a varint takes a byte at least)
+        section = native_round.varint_section(idx) if count < bitmap_nbytes(numel) else None
+        sizes = {IndexCoding.VARINT: (section.size if section is not None else
+                                      native_sparse.varint_index_nbytes(idx)) + 4 * count,
                  IndexCoding.BITMAP: bitmap_nbytes(numel) + 4 * count,
                  IndexCoding.DENSE: 4 * numel}
         coding = min(sizes, key=lambda c: (sizes[c], c))
         values = numel if coding is IndexCoding.DENSE else count
         head = pack_header(Kind.AGGREGATE, coding, dtype, sender, finished.round, shard,
                            shards, numel, values, sizes[coding] - 4 * values, name)
-        encoded = native_round.encode_frame(head, idx, val, numel, int(coding),
-                                            len(head) + sizes[coding] + 4)
+        size = len(head) + sizes[coding] + 4
+        encoded = native_round.assemble_frame(head, section, val, size) \
+            if coding is IndexCoding.VARINT and section is not None else \
+            native_round.encode_frame(head, idx, val, numel, int(coding), size)
         if encoded is not None:
             return encoded
     return encode_frame(Kind.AGGREGATE, tensor, shard, shards, finished.round, sender, numel,

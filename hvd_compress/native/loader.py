@@ -78,6 +78,8 @@ _SPARSE_SIGNATURES: dict[str, tuple] = {
     "round": (_c_int64, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_int64,
               _c_int64, _c_ptr, _c_ptr),
     "frame_encode": (_c_ptr, _c_int64, _c_ptr, _c_ptr, _c_int64, _c_int64, _c_int64, _c_ptr),
+    "varint_section": (_c_ptr, _c_int64, _c_ptr),
+    "frame_assemble": (_c_ptr, _c_int64, _c_ptr, _c_int64, _c_ptr, _c_int64, _c_ptr),
     "select_magnitude": (_c_ptr, _c_int64, ctypes.c_float, _c_ptr, _c_int64),  # select.cpp
 }
 """Argument types of the ``sparse.cpp`` (and ``select.cpp``) kernels that return an int64."""

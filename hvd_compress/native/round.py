@@ -11,6 +11,7 @@ the caller then runs that numpy route.
 from __future__ import annotations
 
 import ctypes
+import threading
 import weakref
 from collections.abc import Sequence
 
@@ -19,7 +20,7 @@ import numpy as np
 from hvd_compress.native import available, library
 from hvd_compress.native.pool import ARRAY_MIN_BYTES
 from hvd_compress.native.pool import POOL as _POOL
-from hvd_compress.native.sparse import MERGE_SLACK
+from hvd_compress.native.sparse import MAX_VARINT_BYTES, MERGE_SLACK
 
 NON_FINITE = -2
 """What ``hvdc_round`` and ``hvdc_topk`` return when ``s = residual + sum`` is not finite."""
@@ -189,4 +190,47 @@ def encode_frame(head: bytes, indices: np.ndarray, values: np.ndarray, numel: in
                                     indices.size, numel, coding, _bytes_data(out))
     if written != size:
         raise RuntimeError(f"native frame encode wrote {written} bytes, expected {size}")
+    return out
+
+
+SECTION_SLACK = 64
+"""Bytes ``hvdc_varint_section`` may store past the section it writes."""
+_scratch = threading.local()
+
+
+def varint_section(indices: np.ndarray) -> np.ndarray | None:
+    """The delta+varint index section of strictly increasing non-negative int64
+    ``indices`` (gaps below 2**35, as any shard's), written once by the frames' encoder
+    into memory this thread keeps for the next call (grown to the largest section, never
+    shrunk): a view that the next call on this thread overwrites. Its size is the
+    section's, so an aggregate frame is sized by writing its section
+    (:func:`assemble_frame`), not by a counting pass before the writing. None if not
+    native."""
+    lib = _lib()
+    if lib is None:
+        return None
+    indices = np.ascontiguousarray(indices, dtype=np.int64)
+    room = MAX_VARINT_BYTES * indices.size + SECTION_SLACK
+    held = getattr(_scratch, "section", None)
+    if held is None or held.size < room:
+        held = _scratch.section = np.empty(room + room // 4, np.uint8)
+    written = lib.hvdc_varint_section(_ptr(indices), indices.size, _ptr(held))
+    return held[:written]
+
+
+def assemble_frame(head: bytes, section: np.ndarray, values: np.ndarray, size: int
+                   ) -> bytes | None:
+    """A delta+varint frame of float32 ``values`` from its ``head`` (header and name, as
+    :func:`encode_frame` takes) and index ``section`` (:func:`varint_section`'s): the
+    bytes :func:`encode_frame` writes for the same pairs, ``size`` of them. None if not
+    native."""
+    lib = _lib()
+    if lib is None:
+        return None
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    out = _new_bytes(None, size)  # not shared with anyone until it is written
+    written = lib.hvdc_frame_assemble(head, len(head), _ptr(section), section.size,
+                                      _ptr(values), values.size, _bytes_data(out))
+    if written != size:
+        raise RuntimeError(f"native frame assembly wrote {written} bytes, expected {size}")
     return out

@@ -845,6 +845,83 @@ extern "C" int64_t hvdc_crc32(int64_t crc, const uint8_t* data, int64_t nbytes) 
 #endif
 }
 
+// The delta+varint section of `count` strictly increasing indices (gaps below 2**35), written
+// at p; returns its end. The fast paths store up to 64 bytes past the section's end: the
+// caller leaves that much room (a frame's values and CRC follow it).
+namespace {
+uint8_t* put_varints(const int64_t* idx, int64_t count, uint8_t* p) {
+#if defined(__BMI2__)
+    // Each varint as one 8-byte store: its groups spread by pdep, continuation bits on
+    // all but its last byte. A store reaches at most 7 bytes past the section.
+    auto put = [&p, idx](int64_t j) {
+        const uint64_t gap = uint64_t(idx[j] - (j ? idx[j - 1] : -1) - 1);
+        const int len = (64 - __builtin_clzll(gap | 1) + 6) / 7;  // at most 5 here
+        const uint64_t word = _pdep_u64(gap, 0x7F7F7F7F7FULL) |
+                              (0x8080808080ULL & ((uint64_t(1) << (8 * len - 8)) - 1));
+        std::memcpy(p, &word, 8);
+        p += len;
+    };
+    int64_t j = 0;
+#if defined(__AVX512VBMI2__) && defined(__AVX512BW__)
+    // 32 gaps at a time when all are below 2**14 (varints of 1 or 2 bytes, most of
+    // them at densities above 1 / 2**14): each gap's two bytes in a 16-bit lane, the
+    // second byte kept only where the gap needs it (vpcompressb), one 64-byte store,
+    // which reaches at most 64 bytes past the section.
+    if (count > 0) put(j++);
+    while (j + 32 <= count) {
+        __m128i part[4];
+        __mmask8 wide = 0;
+        for (int q = 0; q < 4; ++q) {
+            const int64_t* at = idx + j + 8 * q;
+            const __m512i gap = _mm512_sub_epi64(
+                _mm512_sub_epi64(_mm512_loadu_si512(at), _mm512_loadu_si512(at - 1)),
+                _mm512_set1_epi64(1));
+            wide |= _mm512_cmpge_epu64_mask(gap, _mm512_set1_epi64(1 << 14));
+            part[q] = _mm512_maskz_cvtepi64_epi16(0xFF, gap);
+        }
+        if (wide) {  // a gap of 3 or more bytes (or a negative one): one by one
+            for (const int64_t stop = j + 32; j < stop; ++j) put(j);
+            continue;
+        }
+        const __m512i v = _mm512_maskz_inserti64x4(  // maskz: no undefined lanes
+            0xFF, _mm512_zextsi256_si512(_mm256_set_m128i(part[1], part[0])),
+            _mm256_set_m128i(part[3], part[2]), 1);
+        const __mmask32 two = _mm512_cmpge_epu16_mask(v, _mm512_set1_epi16(0x80));
+        // lane: the low 7 bits, a continuation bit where a second byte follows, then
+        // the next 7 bits
+        const __m512i bytes = _mm512_or_si512(
+            _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi16(0x7F)),
+                            _mm512_and_si512(_mm512_slli_epi16(v, 1),
+                                             _mm512_set1_epi16(0x7F00))),
+            _mm512_maskz_mov_epi16(two, _mm512_set1_epi16(0x80)));
+        const __mmask64 keep = _pdep_u64(two, 0xAAAAAAAAAAAAAAAAULL) |
+                               0x5555555555555555ULL;
+        _mm512_storeu_si512(p, _mm512_maskz_compress_epi8(keep, bytes));
+        p += __builtin_popcountll(keep);
+        j += 32;
+    }
+#endif
+    for (; j < count; ++j) put(j);
+#else
+    p += hvdc_varint_encode(idx, count, p);
+#endif
+    return p;
+}
+}  // namespace
+
+namespace {
+// Writes the CRC-32 of out[0, end) at `end` (little-endian, as the format says; x86);
+// returns the frame's bytes.
+int64_t close_frame(uint8_t* out, uint8_t* end) {
+    const int64_t body = end - out;
+    int64_t crc = hvdc_crc32(0, out, body);
+    if (crc < 0) crc = ~crc_bytes(~0u, out, body) & 0xFFFFFFFFu;
+    const uint32_t c = uint32_t(crc);
+    std::memcpy(end, &c, 4);
+    return body + 4;
+}
+}  // namespace
+
 // A whole frame (sparse_wire.py's format) of `count` float32 pairs at strictly increasing
 // `idx` below numel, in index coding `coding` (0 delta+varint, 1 bitmap, 2 dense), into
 // out: the `head_len` bytes of `head` (header and tensor name, which the caller packed
@@ -856,63 +933,7 @@ extern "C" int64_t hvdc_frame_encode(const uint8_t* head, int64_t head_len, cons
     std::memcpy(out, head, size_t(head_len));
     uint8_t* p = out + head_len;
     if (coding == 0) {
-#if defined(__BMI2__)
-        // Each varint as one 8-byte store: its groups spread by pdep, continuation bits on
-        // all but its last byte. A store reaches at most 7 bytes past the section, into
-        // the values (4 * count bytes) and the CRC written after it.
-        auto put = [&p, idx](int64_t j) {
-            const uint64_t gap = uint64_t(idx[j] - (j ? idx[j - 1] : -1) - 1);
-            const int len = (64 - __builtin_clzll(gap | 1) + 6) / 7;  // at most 5 here
-            const uint64_t word = _pdep_u64(gap, 0x7F7F7F7F7FULL) |
-                                  (0x8080808080ULL & ((uint64_t(1) << (8 * len - 8)) - 1));
-            std::memcpy(p, &word, 8);
-            p += len;
-        };
-        int64_t j = 0;
-#if defined(__AVX512VBMI2__) && defined(__AVX512BW__)
-        // 32 gaps at a time when all are below 2**14 (varints of 1 or 2 bytes, most of
-        // them at densities above 1 / 2**14): each gap's two bytes in a 16-bit lane, the
-        // second byte kept only where the gap needs it (vpcompressb), one 64-byte store.
-        // Past the section it reaches at most 64 bytes, inside the values that follow
-        // (4 * count bytes, count >= 32 here) and the CRC.
-        if (count > 0) put(j++);
-        while (j + 32 <= count) {
-            __m128i part[4];
-            __mmask8 wide = 0;
-            for (int q = 0; q < 4; ++q) {
-                const int64_t* at = idx + j + 8 * q;
-                const __m512i gap = _mm512_sub_epi64(
-                    _mm512_sub_epi64(_mm512_loadu_si512(at), _mm512_loadu_si512(at - 1)),
-                    _mm512_set1_epi64(1));
-                wide |= _mm512_cmpge_epu64_mask(gap, _mm512_set1_epi64(1 << 14));
-                part[q] = _mm512_maskz_cvtepi64_epi16(0xFF, gap);
-            }
-            if (wide) {  // a gap of 3 or more bytes (or a negative one): one by one
-                for (const int64_t stop = j + 32; j < stop; ++j) put(j);
-                continue;
-            }
-            const __m512i v = _mm512_maskz_inserti64x4(  // maskz: no undefined lanes
-                0xFF, _mm512_zextsi256_si512(_mm256_set_m128i(part[1], part[0])),
-                _mm256_set_m128i(part[3], part[2]), 1);
-            const __mmask32 two = _mm512_cmpge_epu16_mask(v, _mm512_set1_epi16(0x80));
-            // lane: the low 7 bits, a continuation bit where a second byte follows, then
-            // the next 7 bits
-            const __m512i bytes = _mm512_or_si512(
-                _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi16(0x7F)),
-                                _mm512_and_si512(_mm512_slli_epi16(v, 1),
-                                                 _mm512_set1_epi16(0x7F00))),
-                _mm512_maskz_mov_epi16(two, _mm512_set1_epi16(0x80)));
-            const __mmask64 keep = _pdep_u64(two, 0xAAAAAAAAAAAAAAAAULL) |
-                                   0x5555555555555555ULL;
-            _mm512_storeu_si512(p, _mm512_maskz_compress_epi8(keep, bytes));
-            p += __builtin_popcountll(keep);
-            j += 32;
-        }
-#endif
-        for (; j < count; ++j) put(j);
-#else
-        p += hvdc_varint_encode(idx, count, p);
-#endif
+        p = put_varints(idx, count, p);
         std::memcpy(p, val, size_t(count) * 4);
         p += count * 4;
     } else if (coding == 1) {
@@ -928,10 +949,28 @@ extern "C" int64_t hvdc_frame_encode(const uint8_t* head, int64_t head_len, cons
         for (int64_t j = 0; j < count; ++j) std::memcpy(dense + idx[j], val + j, 4);
         p += numel * 4;
     }
-    const int64_t body = p - out;
-    int64_t crc = hvdc_crc32(0, out, body);
-    if (crc < 0) crc = ~crc_bytes(~0u, out, body) & 0xFFFFFFFFu;
-    const uint32_t c = uint32_t(crc);
-    std::memcpy(p, &c, 4);  // little-endian, as the format says (x86)
-    return body + 4;
+    return close_frame(out, p);
+}
+
+// The delta+varint index section of `count` strictly increasing non-negative indices
+// whose gaps are below 2**35 (any shard's), written to `out` (room for 5 * count + 64
+// bytes: the fast paths store past the section's end); returns its bytes. With
+// hvdc_frame_assemble, a frame is sized by writing its section once, not by a counting
+// pass over the indices and then the writing.
+extern "C" int64_t hvdc_varint_section(const int64_t* idx, int64_t count, uint8_t* out) {
+    return put_varints(idx, count, out) - out;
+}
+
+// hvdc_frame_encode's delta+varint frame from a section hvdc_varint_section wrote:
+// `head` (its header giving section_len), the section, the `count` float32 values, the
+// CRC-32 of all that. `out` holds exactly what this writes; returns the bytes written.
+extern "C" int64_t hvdc_frame_assemble(const uint8_t* head, int64_t head_len,
+                                       const uint8_t* section, int64_t section_len,
+                                       const float* val, int64_t count, uint8_t* out) {
+    std::memcpy(out, head, size_t(head_len));
+    uint8_t* p = out + head_len;
+    std::memcpy(p, section, size_t(section_len));
+    p += section_len;
+    std::memcpy(p, val, size_t(count) * 4);
+    return close_frame(out, p + count * 4);
 }
