@@ -451,6 +451,46 @@ double total(const C& codec, const uint8_t* payload, int64_t n, int64_t bucket, 
   return out;
 }
 
+// 1-bit's total from its sign bits alone: a bucket of len codes with k ones decodes to
+// (2k - len) * scale in sum, k a popcount of the bucket's bits (their whole bytes, then
+// the low bits of a last partial byte: bits past the bucket are never counted). The same
+// integer units and the same float64 additions in the same tile and bucket order as the
+// template above, so the same double, without unpacking a code.
+double total(const OneBit&, const uint8_t* payload, int64_t n, int64_t bucket, int,
+             int threads) {
+  const Layout layout{1, n};
+  const Tiling tiling(n, bucket, layout.group());
+  const uint8_t* scales = payload + layout.nbytes();
+  std::vector<double> sums(tiling.tiles, 0.0);
+#pragma omp parallel for num_threads(team(n, threads)) schedule(dynamic, 4)
+  for (int64_t t = 0; t < tiling.tiles; ++t) {
+    const int64_t e0 = t * tiling.tile;
+    const int64_t end = std::min(e0 + tiling.tile, n);
+    double sum = 0.0;
+    for (int64_t b0 = e0; b0 < end; b0 += bucket) {
+      const int64_t len = std::min(bucket, n - b0);
+      const uint8_t* bits = payload + b0 / 8;  // b0 is a multiple of 8 (bucket is)
+      const int64_t whole = len / 8;
+      int64_t ones = 0, j = 0;
+      for (; j + 8 <= whole; j += 8) {
+        uint64_t w;
+        std::memcpy(&w, bits + j, 8);
+        ones += __builtin_popcountll(w);
+      }
+      for (; j < whole; ++j) ones += __builtin_popcount(bits[j]);
+      if (len % 8) ones += __builtin_popcount(bits[whole] & ((1u << (len % 8)) - 1));
+      float scale;
+      std::memcpy(&scale, scales + 4 * (b0 / bucket), 4);
+      const double units = static_cast<double>(OneBit::a * ones + OneBit::b * len);
+      sum += units * static_cast<double>(scale);
+    }
+    sums[t] = sum;
+  }
+  double out = 0.0;
+  for (const double s : sums) out += s;
+  return out;
+}
+
 // The fused error-feedback passes. Each value a decode writes is float(a * c + b) *
 // decode_scale(scale), and these kernels use exactly that value, so they equal the unfused
 // sequence (decode into a tensor, then torch's float32 add or subtract) bit for bit: one
