@@ -32,7 +32,8 @@ def test_select_magnitude_is_flatnonzero_of_the_magnitudes(capacity: int) -> Non
     assert got is not None and got.size == 0
 
 
-@pytest.mark.parametrize("kind", ["normal", "ties", "zeros", "nan", "blocks", "small"])
+@pytest.mark.parametrize("kind", ["normal", "ties", "zeros", "nan", "many_nan", "blocks",
+                                  "small"])
 def test_largest_of_selects_what_largest_of_the_magnitudes_selects(kind: str) -> None:
     gen = torch.Generator().manual_seed(2)
     for trial in range(12):
@@ -44,6 +45,8 @@ def test_largest_of_selects_what_largest_of_the_magnitudes_selects(kind: str) ->
             x[:] = 0
         elif kind == "nan":
             x[torch.randint(0, n, (4,), generator=gen)] = float("nan")
+        elif kind == "many_nan":  # the sample holds NaNs: the threshold is NaN
+            x[::50] = float("nan")
         elif kind == "blocks":
             x[n // 3:n // 3 + 200] *= 100
         for ratio in (0.001, 0.01, 0.05):

@@ -118,6 +118,8 @@ class Scattered:
         return self.values.float().sum()
 
     def write(self, out: torch.Tensor, scale: float) -> torch.Tensor:
+        if not out.is_contiguous():  # no flat view to write the pairs through
+            return out.copy_(self.materialize().mul_(scale))
         out.zero_().view(-1).index_copy_(0, self.indices, (self.values.float() * scale)
                                          .to(out.dtype))
         return out

@@ -11,8 +11,9 @@ import torch
 
 from hvd_compress import native
 from hvd_compress import triton as gpu
-from hvd_compress.comm.ops import SparseSum, nbytes
+from hvd_compress.comm.ops import nbytes
 from hvd_compress.comm.ps_transport.base import counted_pairs
+from hvd_compress.comm.sparse_frames import PairsSum, SummedPairs
 from hvd_compress.native import sparse as native_sparse
 from hvd_compress.schemes.base import Exchange, ExchangeContext, Outcome, Scattered, Scheme
 
@@ -99,9 +100,11 @@ def largest_of(x: torch.Tensor, k: int, generator: torch.Generator) -> torch.Ten
         return largest(x.abs(), k, generator)
     picks = torch.randint(0, n, (SAMPLE,), generator=generator)
     rank = min(SAMPLE, max(1, -(-SPARE * k * SAMPLE // n)))
-    threshold = x[picks].abs().topk(rank, sorted=False).values.min()
-    found = native_sparse.select_magnitude(x.detach().reshape(-1).numpy(), float(threshold),
-                                           2 * SPARE * k)
+    flat = x.detach().reshape(-1).numpy()
+    # The sample's rank-th largest magnitude, NaN if it holds a NaN: what topk(rank)'s
+    # values' min() is (topk takes NaN as the largest, min() propagates it).
+    threshold = np.partition(np.abs(flat[picks.numpy()]), SAMPLE - rank)[SAMPLE - rank:].min()
+    found = native_sparse.select_magnitude(flat, float(threshold), 2 * SPARE * k)
     if found is None or found.size < k:  # the library went away, or a sample fell badly
         return x.abs().topk(k, sorted=False).indices
     candidates = torch.from_numpy(found)
@@ -119,6 +122,10 @@ class TopK(Scheme):
     summed by a parameter server or by gathering them, not by a ring. On the wire
     (:mod:`hvd_compress.sparse_wire`) indices are delta+varint coded (one byte per
     7 bits of the gap between consecutive indices), plus 4 (fp32) or 2 (fp16) bytes per value.
+    Gathered, the sum comes back as its pairs (:class:`~hvd_compress.comm.sparse_frames.
+    PairsSum`) and is the aggregate as they are (:class:`~hvd_compress.schemes.base.
+    Scattered`): the gradient is then written once, its zeros and the union's sums, with no
+    dense sum to fill, check and copy.
 
     ``loco_beta``: the error-feedback memory (:meth:`~hvd_compress.schemes.base.Scheme.
     loco_option`): 0 (default) keeps the plain residual; in ``(0, 1)``, LoCo's moving
@@ -145,9 +152,13 @@ class TopK(Scheme):
         flat = x.reshape(-1)
         k = sparse_count(self.ratio, flat.numel())
         indices = largest_of(flat, k, ctx.generator("topk-sample", torch.device("cpu")))
-        request = SparseSum("sparse", flat.numel(), indices, flat[indices].to(self._dtype))
+        request = PairsSum("sparse", flat.numel(), indices, flat[indices].to(self._dtype))
+        result = yield request
+        if isinstance(result, SummedPairs):  # gathered frames: the sum kept as its pairs
+            return Outcome(Scattered(result.indices, result.values, x.shape),
+                           Scattered(indices, request.values, x.shape), nbytes(request))
         # Pairs a server quorum refused as late stay in the residual (counted_pairs).
-        total, indices, values = counted_pairs((yield request), indices, request.values)
+        total, indices, values = counted_pairs(result, indices, request.values)
         sent = Scattered(indices, values, x.shape)
         return Outcome(total.view_as(x), sent, nbytes(request))
 
