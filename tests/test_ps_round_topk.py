@@ -123,3 +123,35 @@ def test_ties_across_pairs_and_blocks_read_take_the_lowest_indices():
     val[np.abs(residual[idx]) > 0] = 0.0  # s stays +-0.5 where the residual holds one
     out = run_rounds(numel, [[push(0, 0, idx, val, numel)]], residual)
     assert_same(out)
+
+
+@pytest.mark.parametrize("sampled", ["large", "small"])
+def test_a_misjudged_sampled_guess_changes_no_bit(sampled):
+    """The pass over the pairs zeroes those above a guess of the k-th |s| from an evenly
+    spaced sample of 2048 pairs. Pairs at the sampled positions larger (or smaller) than
+    all others make the guess far too high (or low): every winner it missed is zeroed
+    after, every loser it zeroed gets s back, as the numpy route leaves them. A blocked
+    residual puts some pairs in blocks read too."""
+    numel, n = 1 << 16, 8192
+    rng = np.random.default_rng(len(sampled))
+    idx = np.sort(rng.choice(numel, n, replace=False))
+    sampled_at = np.arange(2048) * n // 2048  # sampled_kth's positions
+    val = rng.uniform(1.0, 2.0, n).astype(np.float32)
+    val[sampled_at] = 10.0 if sampled == "large" else 0.01
+    residual = np.zeros(numel, np.float32)
+    residual[rng.choice(numel, 200, replace=False)] = 1.5
+    out = run_rounds(numel, [[push(0, 0, idx[::2], val[::2], numel),  # k: half the union
+                              push(1, 0, idx[1::2], val[1::2], numel)]], residual)
+    assert_same(out)
+
+
+def test_ties_at_the_sampled_guess_keep_the_lowest_indices():
+    """Every pair's |s| equal: the guess is that value, nothing lies above it, and the k
+    winners (half the union) are the lowest indices, the rest keep s."""
+    numel = 1 << 15
+    rng = np.random.default_rng(3)
+    idx = np.sort(rng.choice(numel, 5000, replace=False))
+    val = rng.choice([0.75, -0.75], idx.size).astype(np.float32)
+    out = run_rounds(numel, [[push(0, 0, idx[::2], val[::2], numel),
+                              push(1, 0, idx[1::2], val[1::2], numel)]])
+    assert_same(out)

@@ -271,8 +271,10 @@ struct Buffer {
 };
 
 struct Scratch {
-    Buffer<float> old, sum;
+    Buffer<float> old, sum, fix_val;
     Buffer<uint32_t> mag, own, cand_mag;
+    Buffer<int64_t> fix_at;
+    std::vector<uint32_t> sample;
     std::vector<uint32_t> hist;
     std::vector<int64_t> read;
 };
@@ -289,6 +291,28 @@ extern "C" {
 int64_t hvdc_topk_bounds(const float* residual, int64_t numel, uint32_t* bounds) {
     block_bounds(residual, numel, bounds);
     return (numel + kBoundBlock - 1) / kBoundBlock;
+}
+
+// Pairs sampled by sampled_kth.
+constexpr int64_t kSample = 2048;
+
+// An estimate of the k-th largest magnitude() of s = residual + u_val at the n pairs:
+// that rank's share of kSample of them, evenly spaced (all of them when fewer). Above
+// every magnitude (nothing guessed a winner) when k is 0 or n < k (every block is read).
+uint32_t sampled_kth(const float* residual, const int64_t* u_idx, const float* u_val,
+                     int64_t n, int64_t k, std::vector<uint32_t>& sample) {
+    if (k <= 0 || n < k) return UINT32_MAX;
+    const int64_t m = std::min(n, kSample);
+    for (int64_t c = 0; c < m; ++c) __builtin_prefetch(residual + u_idx[c * n / m]);
+    sample.resize(size_t(m));
+    for (int64_t c = 0; c < m; ++c) {
+        const int64_t j = c * n / m;
+        sample[size_t(c)] = magnitude(residual[u_idx[j]] + u_val[j]);
+    }
+    const int64_t rank = std::min(m, std::max<int64_t>(1, (k * m + n / 2) / n));
+    std::nth_element(sample.begin(), sample.begin() + (rank - 1), sample.end(),
+                     std::greater<uint32_t>());
+    return sample[size_t(rank - 1)];
 }
 
 // Server-side error feedback of mode topk: s = residual + (the union sum: n pairs at
@@ -309,6 +333,14 @@ int64_t hvdc_topk_bounds(const float* residual, int64_t numel, uint32_t* bounds)
 // k-th largest of all, exactly, ties included, and a non-finite entry (its block's bound
 // is at least infinity's magnitude) is always among those read. The bounds of the blocks
 // read are then recomputed exactly, the others raised to the pairs' new |residual|.
+//
+// The residual is touched once where a pair lands, not again to zero its winners: g, an
+// estimate of the k-th largest |s| of the pairs from a sample of them (read before that
+// pass, so its lines are in cache for it), decides what the pass writes there: 0.0f when
+// |s| > g, else s. Once the k-th is known, only the pairs that g misjudged are written
+// again (s for a loser zeroed, 0.0f for a winner not), with the winners in the blocks
+// read; the pairs in those blocks get s back before they are read. g decides no result:
+// a poor one costs writes, never bits.
 // topk_of_union is its body, for a u_idx already known to increase strictly.
 static int64_t topk_of_union(float* residual, int64_t numel, uint32_t* bounds,
                              const int64_t* u_idx, const float* u_val, int64_t n, int64_t k,
@@ -325,13 +357,18 @@ static int64_t topk_of_union(float* residual, int64_t numel, uint32_t* bounds,
     float* const old = w.old.ensure(n);
     float* const sum = w.sum.ensure(n);
     uint32_t* const mag = w.mag.ensure(n);
+    const uint32_t guess = sampled_kth(residual, u_idx, u_val, n, k, w.sample);
     uint32_t worst = 0;
     for (int64_t j = 0; j < n; ++j) {
         if (j + kAhead < n) __builtin_prefetch(residual + u_idx[j + kAhead], 1);
         float* const r = residual + u_idx[j];
         old[j] = *r;
-        *r = sum[j] = old[j] + u_val[j];
+        sum[j] = old[j] + u_val[j];
         mag[j] = magnitude(sum[j]);
+        uint32_t bits;  // s, or 0.0f when |s| > guess: a mask, not a branch
+        std::memcpy(&bits, sum + j, 4);
+        bits &= 0u - uint32_t(mag[j] <= guess);
+        std::memcpy(r, &bits, 4);
         worst = std::max(worst, mag[j]);
     }
     auto restore = [&]() {
@@ -361,6 +398,14 @@ static int64_t topk_of_union(float* residual, int64_t numel, uint32_t* bounds,
 #endif
         for (; b < blocks; ++b)
             if (bounds[b] >= t0) read.push_back(b);
+    }
+    {  // the pairs in the blocks read hold s, as the walks below read it there
+        int64_t j = 0;
+        for (int64_t r : read) {
+            const int64_t lo = r * kBoundBlock, hi = lo + kBoundBlock;
+            while (j < n && u_idx[j] < lo) ++j;
+            for (; j < n && u_idx[j] < hi; ++j) residual[u_idx[j]] = sum[j];
+        }
     }
     for (int64_t r : read) {  // a non-finite entry lies in a block read
         const int64_t lo = r * kBoundBlock, hi = std::min(lo + kBoundBlock, numel);
@@ -406,8 +451,11 @@ static int64_t topk_of_union(float* residual, int64_t numel, uint32_t* bounds,
         }
         // The winners in index order, without a branch per entry: every entry above the
         // k-th and the first (k - above) equal to it, each written, kept when it wins; a
-        // winning pair's |residual| becomes 0.
-        int64_t ties = k - above, sink_idx;
+        // winning pair's |residual| becomes 0. The residual's entries still to write (a
+        // winner not zeroed by the pass over the pairs, a loser it zeroed) likewise.
+        int64_t* const fix_at = w.fix_at.ensure(n + int64_t(read.size()) * kBoundBlock);
+        float* const fix_val = w.fix_val.ensure(n + int64_t(read.size()) * kBoundBlock);
+        int64_t ties = k - above, sink_idx, fixes = 0;
         float sink_val;
         walk([&](int64_t at, float value, uint32_t m, int64_t pair) {
             const bool tie = m == kth && ties > 0;
@@ -417,11 +465,17 @@ static int64_t topk_of_union(float* residual, int64_t numel, uint32_t* bounds,
             *(room ? out_idx + written : &sink_idx) = at;
             *(room ? out_val + written : &sink_val) = value;
             written += win;
+            uint32_t bits;  // value, or 0.0f for a winner: a mask, not a branch
+            std::memcpy(&bits, &value, 4);
+            bits &= uint32_t(win) - 1u;
+            fix_at[fixes] = at;
+            std::memcpy(fix_val + fixes, &bits, 4);
+            fixes += win != ((pair >= 0) & (m > guess));
             if (pair >= 0) mag[pair] = win ? 0 : m;
         });
-        for (int64_t c = 0; c < written; ++c) {  // their residual is 0
-            if (c + kAhead < written) __builtin_prefetch(residual + out_idx[c + kAhead], 1);
-            residual[out_idx[c]] = 0.0f;
+        for (int64_t c = 0; c < fixes; ++c) {
+            if (c + kAhead < fixes) __builtin_prefetch(residual + fix_at[c + kAhead], 1);
+            residual[fix_at[c]] = fix_val[c];
         }
     }
     for (int64_t j = 0; j < n; ++j) {
