@@ -523,34 +523,47 @@ class Pipeline:
         """Raise :class:`NonFiniteGradientError` if any aggregate holds a NaN or an
         infinity.
 
-        A norm is NaN or infinite whenever one of its terms is, so one norm per aggregate
-        (or per factor of a :class:`LowRank` one, whose entries are bounded by the product
-        of its factors' norms) clears every finite aggregate; only a tensor whose norm is
-        not finite (a non-finite element, or a norm beyond float32's range) is looked at
-        element by element. The norms of the whole step are one ``torch._foreach_norm``
-        (no Python per tensor) and one device-to-host transfer.
+        A norm is NaN or infinite whenever one of its terms is, so a finite norm per
+        aggregate (or per factor of a :class:`LowRank` one, whose entries are bounded by the
+        product of its factors' norms) clears it. Aggregates are mostly views of a few
+        buffers (a fused round's result, a batched exchange's flat sums and QR blocks), and a
+        view's norm is at most its buffer's: the norms taken are those of the distinct
+        buffers (each view's ``_base``), one ``torch._foreach_norm`` and one device-to-host
+        transfer for the step. Only a tensor whose bound is not finite (a non-finite element in its
+        buffer, or a norm beyond float32's range) is looked at element by element, so the
+        tensors found bad are exactly those with a non-finite element.
         """
         if not flights:
             return
-        parts: list[torch.Tensor] = []
+        parts: list[list[torch.Tensor]] = []
         for f in flights:
             assert f.outcome is not None
             value = f.outcome.aggregate
             if isinstance(value, torch.Tensor):
-                parts.append(value)
+                parts.append([value])
             elif isinstance(value, LowRank):
-                parts += (value.left, value.right)
+                parts.append([value.left, value.right])
             else:
-                parts.append(total(value))
-        norms = norms_of(parts)
-        bad, at = [], 0
-        for f in flights:
-            value = f.outcome.aggregate  # type: ignore[union-attr]
-            if isinstance(value, LowRank):
-                bound, at = norms[at] * norms[at + 1], at + 2
-            else:
-                bound, at = norms[at], at + 1
-            if not bound <= FLOAT32_MAX and not bool(materialize(value).isfinite().all()):
+                parts.append([total(value)])
+        index: dict[int, int] = {}
+        bases: list[torch.Tensor] = []
+        where: list[list[int]] = []
+        for tensors in parts:
+            at = []
+            for t in tensors:
+                base = t if t._base is None else t._base
+                i = index.get(id(base))
+                if i is None:
+                    i = index[id(base)] = len(bases)
+                    bases.append(base)
+                at.append(i)
+            where.append(at)
+        norms = norms_of(bases)
+        bad = []
+        for f, at in zip(flights, where, strict=True):
+            bound = norms[at[0]] * norms[at[1]] if len(at) == 2 else norms[at[0]]
+            if not bound <= FLOAT32_MAX \
+                    and not bool(materialize(f.outcome.aggregate).isfinite().all()):  # type: ignore[union-attr]
                 bad.append(f)
         if not bad:
             return

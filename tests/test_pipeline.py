@@ -511,3 +511,30 @@ def test_low_rank_factors_write_subtract_and_sum_like_their_product() -> None:
     torch.testing.assert_close(value.subtract_from(x.clone()), x - dense)
     left[0, 0] = float("nan")
     assert not value.total().isfinite()
+
+
+@pytest.mark.parametrize("bad_name", ["fc2.bias", "fc2.weight"])
+def test_finite_check_by_shared_buffers_names_exactly_the_bad_tensors(bad_name: str) -> None:
+    """The finite check takes the norms of the buffers the aggregates are views of (the
+    fused round's result, PowerSGD's flat sums and QR blocks): a NaN in one batched tensor
+    fails the step naming that tensor only, and a finite tensor whose buffer's norm
+    overflows float32 (another member's huge values) is still passed."""
+    spec = "powersgd:rank=2,start_iter=0"
+    pipes = make_pipelines(Compression.parse(spec), 2, DENSE_1D)
+    grads = _grads(2, steps=2)
+    on_threads(2, lambda r: pipes[r].reduce(grads[r][0]))
+    bad = [dict(g) for g in grads[1]]
+    bad[1][bad_name] = torch.full(MODEL[bad_name], float("nan"))
+
+    def fail(rank: int) -> list[str]:
+        with pytest.raises(NonFiniteGradientError) as info:
+            pipes[rank].reduce(bad[rank])
+        return info.value.names  # type: ignore[no-any-return]
+
+    assert on_threads(2, fail) == [[bad_name], [bad_name]]
+    huge = [dict(g) for g in grads[1]]
+    for g in huge:  # each sum 2e38 is finite; the bias buffer's norm is not
+        g["fc3.bias"] = torch.full(MODEL["fc3.bias"], 1e38)
+    out = on_threads(2, lambda r: pipes[r].reduce(huge[r]))
+    assert torch.equal(out[0]["fc3.bias"], torch.full(MODEL["fc3.bias"], 2e38))
+    assert all(torch.isfinite(t).all() for t in out[0].values())

@@ -65,42 +65,48 @@ class FlatLayout:
         numel = sum(len(ix) * rows * r for (rows, r, _), ix in groups)
         return FlatLayout(groups, numel, len(keys))
 
-    def views(self, flat: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """``flat`` cut per member and per group, as views: each member's factor in its
-        stored form (``r x rows`` when transposed, else ``rows x r``), and each group's
-        factors as one ``(b, rows, r)`` block (a transposed view when transposed)."""
-        members: list[torch.Tensor] = [flat] * self.members
-        blocks: list[torch.Tensor] = []
+    def _stored(self, flat: torch.Tensor) -> list[tuple[torch.Tensor, bool]]:
+        """Each group's segment of ``flat`` as one stored block (``(b, r, rows)`` when
+        transposed, else ``(b, rows, r)``), with its ``transposed`` flag."""
+        out = []
         offset = 0
         for (rows, r, transposed), ix in self.groups:
             size = len(ix) * rows * r
             segment = flat[offset:offset + size]
             offset += size
-            if transposed:
-                stored = segment.view(len(ix), r, rows)
-                blocks.append(stored.transpose(1, 2))
-            else:
-                stored = segment.view(len(ix), rows, r)
-                blocks.append(stored)
-            for j, i in enumerate(ix):
-                members[i] = stored[j]
-        return members, blocks
+            out.append((segment.view(len(ix), r, rows) if transposed
+                        else segment.view(len(ix), rows, r), transposed))
+        return out
+
+    def _scatter(self, per_group: list[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
+        """Per-group sequences of member tensors put back in member order."""
+        members: list[torch.Tensor] = [per_group[0][0]] * self.members if per_group else []
+        for (_, ix), tensors in zip(self.groups, per_group, strict=True):
+            for i, t in zip(ix, tensors, strict=True):
+                members[i] = t
+        return members
+
+    def member_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each member's factor in its stored form (``r x rows`` when transposed, else
+        ``rows x r``), as views of ``flat``."""
+        return self._scatter([block.unbind(0) for block, _ in self._stored(flat)])
+
+    def blocks(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each group's factors as one ``(b, rows, r)`` block (a transposed view when
+        transposed), as views of ``flat``, in buffer order."""
+        return [block.transpose(1, 2) if transposed else block
+                for block, transposed in self._stored(flat)]
+
+    def views(self, flat: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``flat`` cut per member and per group, as views: :meth:`member_views` and
+        :meth:`blocks`."""
+        return self.member_views(flat), self.blocks(flat)
 
     def factors(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each member's factor as a ``rows x r`` matrix (a view of ``flat``)."""
-        stored = self.views(flat)[0]
-        for (_, _, transposed), ix in self.groups:
-            if transposed:
-                for i in ix:
-                    stored[i] = stored[i].t()
-        return stored
+        return self._scatter([block.unbind(0) for block in self.blocks(flat)])
 
     def orthonormal(self, blocks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Each member's ``rows x r`` orthonormal basis (reduced QR), one batched QR per
-        group of :meth:`views`' blocks; the same bases as one QR per member."""
-        bases: list[torch.Tensor] = [blocks[0]] * self.members if blocks else []
-        for (_, ix), block in zip(self.groups, blocks, strict=True):
-            q = torch.linalg.qr(block).Q
-            for j, i in enumerate(ix):
-                bases[i] = q[j]
-        return bases
+        group of :meth:`blocks`; the same bases as one QR per member."""
+        return self._scatter([torch.linalg.qr(block).Q.unbind(0) for block in blocks])

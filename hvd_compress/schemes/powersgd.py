@@ -182,7 +182,7 @@ class PowerSGD(Scheme):
         qs = [self._q(state, ctx, m, r, x.device) for (_, m), r, state, ctx, x
               in zip(sizes, ranks, states, ctxs, xs, strict=True)]
         _, p_total, p_layout = yield from self._reduce_products("P", matrices, qs, False)
-        p_hats = p_layout.orthonormal(p_layout.views(p_total)[1])
+        p_hats = p_layout.orthonormal(p_layout.blocks(p_total))
         q_flat, q_total, q_layout = yield from self._reduce_products("Q", matrices, p_hats,
                                                                     True)
         return [Outcome(LowRank(p_hat, q_sum, shape), LowRank(p_hat, q_local, shape),
@@ -212,7 +212,7 @@ class PowerSGD(Scheme):
             flat, total, layout = yield from self._reduce_products(
                 "Q" if left else "P", mats, bases, left)
             locals_, totals = layout.factors(flat), layout.factors(total)
-            kept = layout.orthonormal(layout.views(total)[1])
+            kept = layout.orthonormal(layout.blocks(total))
             for i, basis, local, total_i, new in zip(chosen, bases, locals_, totals, kept,
                                                      strict=True):
                 if left:
@@ -263,7 +263,7 @@ class PowerSGD(Scheme):
         if layout is None:
             layout = self._layouts[key] = FlatLayout.of(keys)
         flat = torch.empty(layout.numel, dtype=matrices[0].dtype, device=matrices[0].device)
-        stored = layout.views(flat)[0]
+        stored = layout.member_views(flat)
         for matrix, right, out, (_, _, transposed) in zip(matrices, rights, stored, keys,
                                                           strict=True):
             if left:  # M^T R as (R^T M)^T, as exchange() computes Q
