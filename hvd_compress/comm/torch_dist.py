@@ -50,14 +50,6 @@ from hvd_compress.comm.sparse_frames import encode_sparse_frame, sum_frames
 BACKENDS = ("gloo", "nccl")
 """The ``torch.distributed`` backends the communicator runs on."""
 
-SMALL_SUM_BYTES = 8 << 10
-"""On a Gloo group, an all-reduce of at most this many bytes (a bucket's biases, say) is an
-all-to-all of every rank's tensor to every rank, summed in rank order on each
-(:meth:`TorchDistCommunicator.start`): one hop instead of the ring's ``2 (size - 1)`` in
-turn, for ``size - 1`` copies of the tensor on each link instead of about two. Kept small
-so that the extra copies (``1.5x`` the tensor at 4 ranks, 12 KiB at most: 1 ms at 100
-Mbit/s) cost less than the hops saved; PowerSGD's larger factors keep the ring."""
-
 DEFAULT_TIMEOUT_S = 300.0
 """Seconds a collective may wait for the other ranks before it raises."""
 
@@ -70,7 +62,6 @@ class _Started:
     work: Any
     result: Any  # what the collective writes into
     into: torch.Tensor | None = None  # an in-place all-reduce summed in another dtype
-    gathered: bool = False  # a small all-reduce: every rank's tensor, summed at wait()
 
 
 @dataclass
@@ -98,8 +89,6 @@ class TorchDistCommunicator:
 
     ordered = True
     """Collectives are matched by start order (see :class:`~hvd_compress.pipeline.Pipeline`)."""
-    small_sum_bytes = SMALL_SUM_BYTES
-    """All-reduces up to this many bytes take the one-hop sum on Gloo (0: none do)."""
 
     def __init__(self, group: Any = None, fallback: Communicator | None = None) -> None:
         self.group = group if group is not None else dist.group.WORLD
@@ -116,13 +105,6 @@ class TorchDistCommunicator:
             if self.backend == "nccl" else torch.device("cpu")
 
     def start(self, name: str, op: Collective) -> Any:
-        if isinstance(op, AllReduce) and self.backend == "gloo" and \
-                op.tensor.numel() * op.tensor.element_size() <= self.small_sum_bytes:
-            sent = op.tensor.contiguous().reshape(-1).view(torch.uint8)
-            output = sent.new_empty(sent.numel() * self.size)
-            work = dist.all_to_all_single(output, sent.repeat(self.size), group=self.group,
-                                          async_op=True)
-            return _Started(op, work, output, gathered=True)
         if isinstance(op, AllReduce):
             # bfloat16 is summed in float32, exactly, and rounded once (as over Horovod).
             wide = SUM_AS.get(op.tensor.dtype)
@@ -154,13 +136,6 @@ class TorchDistCommunicator:
             return self.fallback.wait(handle)
         handle.work.wait()
         op = handle.op
-        if handle.gathered:  # torch's sum over the ranks, as a ThreadGroup sums
-            assert isinstance(op, AllReduce)
-            parts = handle.result.view(op.tensor.dtype).view(self.size, *op.tensor.shape)
-            wide = SUM_AS.get(op.tensor.dtype)  # bfloat16: in float32, rounded once
-            total = parts.to(wide).sum(dim=0).to(op.tensor.dtype) if wide is not None \
-                else parts.sum(dim=0)
-            return op.tensor.copy_(total) if op.inplace else total
         if isinstance(op, AllReduce):
             if handle.into is not None:
                 return handle.into.copy_(handle.result)
@@ -176,19 +151,8 @@ class TorchDistCommunicator:
         if tensor.numel() != op.sizes[self.rank]:
             raise ValueError(f"all-gather: this rank's tensor has {tensor.numel()} elements, "
                              f"its size says {op.sizes[self.rank]}")
-        sent = tensor.view(torch.uint8)
-        if self.backend == "gloo":
-            # Gloo's all-gather is a ring: size - 1 hops in turn, each waiting for the
-            # neighbour's thread (tens of ms apiece on cores that the ranks share). An
-            # all-to-all of this rank's bytes to every rank posts every send at once: one
-            # hop, the same bytes on each link, the same result.
-            nbytes = [n * item for n in op.sizes]
-            output = sent.new_empty(sum(nbytes))
-            work = dist.all_to_all_single(output, sent.repeat(self.size), nbytes,
-                                          [sent.numel()] * self.size, group=self.group,
-                                          async_op=True)
-            return _Started(op, work, (list(torch.split(output, nbytes)), tensor.dtype))
         longest = max(op.sizes) * item
+        sent = tensor.view(torch.uint8)
         if sent.numel() < longest:
             sent = torch.cat([sent, sent.new_zeros(longest - sent.numel())])
         output = sent.new_empty(longest * self.size)
