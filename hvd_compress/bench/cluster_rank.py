@@ -4,9 +4,10 @@ Run by :mod:`hvd_compress.bench.cluster` inside a host's namespace, never by han
 configuration of the plan builds a fresh model (the same weights on every rank, from one
 seed), wraps it for its system and trains ``warmup + steps`` steps (forward, backward,
 exchange, update) on this rank's own random batches; the ``steps`` timed steps give the
-step times. Around them the rank reads its interface's byte counters, and after them checks
-that every rank holds the same parameters (a run whose replicas differ is not a correct
-setting, whatever its speed). Rank 0 writes one row per configuration.
+step times (our optimizer first also passes error feedback's early measurements,
+:func:`settling_steps`). Around them the rank reads its interface's byte counters, and
+after them checks that every rank holds the same parameters (a run whose replicas differ
+is not a correct setting, whatever its speed). Rank 0 writes one row per configuration.
 
 Systems:
 
@@ -388,10 +389,21 @@ def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
                                        target.reshape(-1))
 
 
+def settling_steps(optimizer: torch.optim.Optimizer) -> int:
+    """Untimed steps a system takes beyond the bench's ``--warmup`` so that it is timed in
+    its steady state: for our optimizer, error feedback's ``window``
+    (:class:`~hvd_compress.feedback.ErrorFeedback`: each tensor's first ``window`` commits
+    with a residual measure two norms for the growth warning, a start-up cost a long run
+    pays once); 0 for the others. The same on every rank (the default window)."""
+    feedback = getattr(getattr(optimizer, "_pipeline", None), "feedback", None)
+    return feedback.window if feedback is not None else 0
+
+
 def run_config(system: _System, workload: Workload, config: dict[str, Any], steps: int,
                warmup: int, progress: Callable[[str], None]) -> dict[str, Any]:
     model = workload.build(0)
     forward, optimizer, settings = system.wrap(model, config)
+    warmup += settling_steps(optimizer)
     gen = torch.Generator().manual_seed(1000 + system.rank)
     batches = [workload.batch(gen) for _ in range(4)]
     loss_fn = _loss
@@ -432,7 +444,7 @@ def run_config(system: _System, workload: Workload, config: dict[str, Any], step
     timed = sorted(times[warmup:])
     agree = system.replicas_agree(model)
     row = {"scheme": config["scheme"], "settings": settings,
-           "step_s": statistics.median(timed),
+           "step_s": statistics.median(timed), "untimed_steps": warmup,
            "step_p90_s": p90(timed),
            "step_times_s": times[warmup:],
            "step_phases_s": step_phases[warmup:],

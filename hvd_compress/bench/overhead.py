@@ -15,8 +15,9 @@ multi-host run mixes it with waiting on the network. Here one process, a world o
 - ``alternate``: the same with ``alternate=True`` at twice the rank (one round and one
   side per step: the same bytes per step as ``ours``).
 
-Each is timed for ``steps`` steps after ``warmup`` (past PowerSGD's start), ``repeats``
-times in turn so a slow spell of the machine falls on all alike. Per step: the median
+Each is timed for ``steps`` steps after ``warmup`` (past PowerSGD's start; ours also past
+error feedback's early measurements, :func:`~hvd_compress.bench.cluster_rank.settling_steps`),
+``repeats`` times in turn so a slow spell of the machine falls on all alike. Per step: the median
 wall time and the mean CPU seconds of the whole process. The hook's own cost is ``hook``
 less ``ddp``; ours is ``ours`` less ``floor``, and the sum of our optimizer's measured
 phases (``feedback``, ``scheme``, ``fuse``, ``commit``: its work on the training thread,
@@ -51,7 +52,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from hvd_compress.bench.cluster_rank import MODELS, Workload, _cpu_seconds, _loss
+from hvd_compress.bench.cluster_rank import (
+    MODELS,
+    Workload,
+    _cpu_seconds,
+    _loss,
+    settling_steps,
+)
 from hvd_compress.bench.report import Column, Row
 
 SYSTEMS = ("floor", "ddp", "hook", "ours", "alternate")
@@ -108,6 +115,7 @@ def time_system(system: str, workload: Workload, steps: int, warmup: int, rank: 
     """``steps`` timed steps of one system on a fresh model: per-step wall times, CPU
     seconds per step and (ours) the optimizer's own phases per step."""
     forward, optimizer = _wrap(system, workload.build(0), rank, start)
+    warmup += settling_steps(optimizer)
     batch = workload.batch(torch.Generator().manual_seed(0))
     times: list[float] = []
     phases: dict[str, float] = {}
