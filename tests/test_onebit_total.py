@@ -59,13 +59,17 @@ def random_payload(n: int, bucket: int, seed: int, special: bool) -> torch.Tenso
 def test_total_counts_bits_in_the_kernels_order(bucket: int, n: int, special: bool) -> None:
     payload = random_payload(n, bucket, n + bucket, special)
     want = reference_total(bytes(payload.numpy()), n, bucket)
-    for threads in (1, 2):
-        torch.set_num_threads(threads)
-        got = kernels.total("onebit", payload, n, bucket)
-        if math.isnan(want):
-            assert math.isnan(got)
-        else:
-            assert struct.pack("<d", got) == struct.pack("<d", want)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            got = kernels.total("onebit", payload, n, bucket)
+            if math.isnan(want):
+                assert math.isnan(got)
+            else:
+                assert struct.pack("<d", got) == struct.pack("<d", want)
+    finally:  # the process's other tests keep their thread count
+        torch.set_num_threads(before)
 
 
 def test_total_of_an_encoding_is_its_decoded_sum() -> None:
