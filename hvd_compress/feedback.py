@@ -132,6 +132,20 @@ class Commit(NamedTuple):
     measure: bool = True
 
 
+class Candidate(NamedTuple):
+    """A residual update computed but not yet kept (:meth:`ErrorFeedback.prepare`):
+    ``residual`` is the new residual (in the ``compensated`` buffer) or ``None`` (the
+    tensor keeps none); ``norms`` ``(||g + e||, ||e_new||, ||(g + e) - sent||)`` when the
+    commit is measured, else ``None``."""
+
+    name: str
+    compensated: torch.Tensor
+    residual: torch.Tensor | None
+    density: float
+    scheme: str
+    norms: tuple[float, float, float] | None
+
+
 BLOCK = 1 << 17
 """Elements per block of :func:`block_norms` (512 kB of float32: a block stays in cache
 between its two norms)."""
@@ -355,53 +369,64 @@ class ErrorFeedback:
         :meth:`compensate` returned); ``sent=None``: nothing was lost, the tensor has no
         residual. ``scheme``: the sending scheme's name, for the report. ``measure``:
         record this commit's norms in the report and check the growth warning (see
-        :meth:`due`); the residual is the same either way."""
-        old = self._residuals.pop(name, None)
-        self._commits[name] = self._commits.get(name, 0) + 1
-        input_norm = float(torch.linalg.vector_norm(compensated)) if measure else 0.0
-        density = density_of(sent, compensated.numel())
-        if sent is None:
-            self._spares[name] = compensated
-            residual_norm = error_norm = 0.0
-        else:
-            residual = subtract(compensated, sent)
-            if measure:
-                residual_norm = error_norm = float(torch.linalg.vector_norm(residual))
-            if self.beta:  # e_new = beta * e + (1 - beta) * ((g + e) - sent), in place
-                residual.mul_(1 - self.beta)
-                if old is not None:  # (no old residual: e = 0)
-                    residual.add_(old.to(residual.device), alpha=self.beta)
-                if measure:
-                    residual_norm = float(torch.linalg.vector_norm(residual))
-            self._residuals[name] = residual
-        if old is not None and old.shape == compensated.shape:
-            self._spares.setdefault(name, old)
-        if measure:
-            self._observe(name, input_norm, residual_norm, error_norm, density, scheme)
+        :meth:`due`); the residual is the same either way. :meth:`prepare` then
+        :meth:`install` of this one commit."""
+        self.install(self.prepare([Commit(name, compensated, sent, scheme, measure)]))
 
     def commit_many(self, commits: Sequence[Commit]) -> None:
         """:meth:`commit_sent` of each of ``commits`` (distinct names), with the same
-        residuals and report, but the norms the measured ones need taken together
-        (:func:`norms_of`: the inputs' before the residual updates, the residuals' after),
-        so that a step of many small tensors pays no Python and no host transfer per
-        tensor for them. With LoCo (``beta > 0``, two residual norms a tensor) each is
-        committed by :meth:`commit_sent` in turn."""
-        if self.beta or len(commits) < 2:
-            for commit in commits:
-                self.commit_sent(*commit)
-            return
+        residuals and report, the norms the measured ones need taken together
+        (:func:`norms_of`), so that a step of many small tensors pays no Python and no host
+        transfer per tensor for them."""
+        self.install(self.prepare(commits))
+
+    def prepare(self, commits: Sequence[Commit]) -> list[Candidate]:
+        """The first half of :meth:`commit_many`: each commit's new residual computed in
+        place in its ``compensated`` buffer (``compensated - sent``; with LoCo, mixed with
+        the current residual, which is only read) and, for the measured ones, its norms
+        (:func:`norms_of`: the inputs' before the subtraction, the residuals' after).
+        Nothing this object holds changes (residuals, spares, counters, report): a step
+        that fails after this simply drops the candidates; :meth:`install` keeps them.
+        ``compensated`` no longer holds ``g + e`` afterwards (the pipeline keeps a failed
+        tensor's input intact by never preparing it). Distinct names; a name's
+        :meth:`due` must have been read before its :meth:`install`."""
         measured = [c for c in commits if c.measure]
-        inputs = norms_of([c.compensated for c in measured])
-        for c in commits:
-            self.commit_sent(c.name, c.compensated, c.sent, c.scheme, measure=False)
-        kept = [c for c in measured if c.sent is not None]
-        residuals = dict(zip([c.name for c in kept],
-                             norms_of([self._residuals[c.name] for c in kept]),
-                             strict=True))
-        for c, input_norm in zip(measured, inputs, strict=True):
-            residual_norm = residuals.get(c.name, 0.0)
-            self._observe(c.name, input_norm, residual_norm, residual_norm,
-                          density_of(c.sent, c.compensated.numel()), c.scheme)
+        inputs = dict(zip([c.name for c in measured],
+                          norms_of([c.compensated for c in measured]), strict=True))
+        residuals = {c.name: subtract(c.compensated, c.sent)
+                     for c in commits if c.sent is not None}
+        kept = [c.name for c in measured if c.sent is not None]
+        errors = dict(zip(kept, norms_of([residuals[n] for n in kept]), strict=True))
+        after = errors
+        if self.beta:  # e_new = beta * e + (1 - beta) * ((g + e) - sent), in place
+            for name, residual in residuals.items():
+                residual.mul_(1 - self.beta)
+                old = self._residuals.get(name)
+                if old is not None:  # (no old residual: e = 0)
+                    residual.add_(old.to(residual.device), alpha=self.beta)
+            after = dict(zip(kept, norms_of([residuals[n] for n in kept]), strict=True))
+        return [Candidate(c.name, c.compensated, residuals.get(c.name),
+                          density_of(c.sent, c.compensated.numel()), c.scheme,
+                          (inputs[c.name], after.get(c.name, 0.0), errors.get(c.name, 0.0))
+                          if c.measure else None)
+                for c in commits]
+
+    def install(self, candidates: Sequence[Candidate]) -> None:
+        """The second half of :meth:`commit_many`: each candidate's residual becomes the
+        tensor's (none if it has none), the residual it replaces becomes the spare buffer
+        (:meth:`compensate`'s next output), the commit is counted and, if measured, its
+        norms recorded and the growth warning checked."""
+        for c in candidates:
+            old = self._residuals.pop(c.name, None)
+            self._commits[c.name] = self._commits.get(c.name, 0) + 1
+            if c.residual is None:
+                self._spares[c.name] = c.compensated
+            else:
+                self._residuals[c.name] = c.residual
+            if old is not None and old.shape == c.compensated.shape:
+                self._spares.setdefault(c.name, old)
+            if c.norms is not None:
+                self._observe(c.name, *c.norms, c.density, c.scheme)
 
     def observe_sent(self, name: str, x: torch.Tensor, sent: Dense | None,
                      scheme: str = "") -> None:

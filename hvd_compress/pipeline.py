@@ -31,6 +31,7 @@ from hvd_compress.comm.base import Communicator
 from hvd_compress.comm.ops import AllToAll, Collective, nbytes
 from hvd_compress.errors import NonFiniteGradientError
 from hvd_compress.feedback import (
+    Candidate,
     Commit,
     ErrorFeedback,
     KeepsResidual,
@@ -86,6 +87,10 @@ class _InFlight:
     outcome: Outcome | None = None
     codec: PackedScheme | None = None  # a compressed all-reduce without error feedback
     scatter: AllToAll | None = None  # its payload, for the compression error
+    # Settled with its bucket (Pipeline._settle), kept until the step commits:
+    finite: bool | None = None  # its aggregate's finite check; None: not checked yet
+    candidate: Candidate | None = None  # its residual update, computed, not installed
+    result: torch.Tensor | None = None  # its averaged aggregate, already written
 
     def keep_scatter(self, request: AllToAll) -> None:
         self.scatter = request
@@ -112,6 +117,7 @@ class _Bucket:
     phase: int = 0
     groups: list[_Group] = field(default_factory=list)
     launched: bool = False
+    settled: bool = False
 
     def describe(self) -> str:
         return f"bucket {self.index} phase {self.phase}"
@@ -189,6 +195,7 @@ class Pipeline:
         self._ordered = bool(getattr(comm, "ordered", False))
         self._next_bucket = 0
         self._failure: BaseException | None = None
+        self._found_bad = False  # a settled bucket held a non-finite aggregate
         self._current = StepStats()
         self.last_step = StepStats()
         self.total = StepStats()
@@ -334,8 +341,17 @@ class Pipeline:
         raises :class:`NonFiniteGradientError` on every rank and keeps all residuals and
         scheme state as they were before the step; any other failure (an exchange raising,
         a collective failing) also leaves them unchanged.
+
+        Each bucket is settled as soon as its last round ends, while later buckets' rounds
+        are still on the link (:meth:`_settle`): its aggregates are checked, its residual
+        updates computed (installed only when the whole step commits) and its aggregates
+        written into ``into``. So after a failed step the tensors of ``into`` of buckets
+        settled before any non-finite aggregate was found may hold their aggregates; the
+        others keep what they held. Aggregates, residuals and state are those of settling
+        the whole step at once, bit for bit.
         """
         flights = list(self._inflight.values())
+        into = into or {}
         try:
             if self._failure is not None:
                 raise RuntimeError(f"this step failed while its tensors were submitted "
@@ -346,9 +362,14 @@ class Pipeline:
                     self._launch(self._open[index])
             self._launch_unplanned()
             active = [b for b in self._launched if b.groups]
+            for bucket in self._launched:
+                if not bucket.groups:
+                    self._settle(bucket, into)
             while active:
                 for bucket in active:
                     self._finish_phase(bucket)
+                    if not bucket.groups:
+                        self._settle(bucket, into)
                 active = [b for b in active if b.groups]
             assert all(f.outcome is not None for f in flights)
         except BaseException:
@@ -361,6 +382,7 @@ class Pipeline:
             self._launched.clear()
             self._next_bucket = 0
             self._failure = None
+            self._found_bad = False
         started = time.perf_counter()
         try:
             self._check_finite(flights)
@@ -368,7 +390,7 @@ class Pipeline:
             self._current = StepStats()
             raise
         self._current.seconds["commit"] += time.perf_counter() - started
-        return self._commit(flights, into or {})
+        return self._commit(flights, into)
 
     def reduce(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Submit every tensor, then wait: one step's exchange outside an optimizer.
@@ -521,7 +543,21 @@ class Pipeline:
 
     def _check_finite(self, flights: list[_InFlight]) -> None:
         """Raise :class:`NonFiniteGradientError` if any aggregate holds a NaN or an
-        infinity.
+        infinity (those its bucket's settling checked are not checked again: see
+        :meth:`_nonfinite`). ``local`` names the bad tensors whose input on this rank was
+        already non-finite; a bad tensor's input is intact, since nothing is prepared from
+        a bucket once a non-finite aggregate was found (:meth:`_settle`)."""
+        self._nonfinite([f for f in flights if f.finite is None])
+        bad = [f for f in flights if not f.finite]
+        if not bad:
+            return
+        local = [f.name for f in bad if not bool(f.x.isfinite().all())]
+        step = max(self._steps[f.name] for f in bad)
+        raise NonFiniteGradientError([f.name for f in bad], local, step, self.comm.rank)
+
+    def _nonfinite(self, flights: list[_InFlight]) -> list[_InFlight]:
+        """The flights whose aggregate holds a NaN or an infinity; sets each one's
+        ``finite``.
 
         A norm is NaN or infinite whenever one of its terms is, so a finite norm per
         aggregate (or per factor of a :class:`LowRank` one, whose entries are bounded by the
@@ -534,7 +570,7 @@ class Pipeline:
         tensors found bad are exactly those with a non-finite element.
         """
         if not flights:
-            return
+            return []
         parts: list[list[torch.Tensor]] = []
         for f in flights:
             assert f.outcome is not None
@@ -562,47 +598,105 @@ class Pipeline:
         bad = []
         for f, at in zip(flights, where, strict=True):
             bound = norms[at[0]] * norms[at[1]] if len(at) == 2 else norms[at[0]]
-            if not bound <= FLOAT32_MAX \
-                    and not bool(materialize(f.outcome.aggregate).isfinite().all()):  # type: ignore[union-attr]
+            f.finite = bound <= FLOAT32_MAX \
+                or bool(materialize(f.outcome.aggregate).isfinite().all())  # type: ignore[union-attr]
+            if not f.finite:
                 bad.append(f)
-        if not bad:
+        return bad
+
+    def _settle(self, bucket: _Bucket, into: Mapping[str, torch.Tensor]) -> None:
+        """Do a bucket's share of the commit as soon as its last round has ended, while
+        later buckets' rounds are still on the link: check its aggregates
+        (:meth:`_nonfinite`) and, unless this step already holds a non-finite one, compute
+        its residual updates (:meth:`~hvd_compress.feedback.ErrorFeedback.prepare`: in
+        the pipeline's own ``g + e`` buffers, the stored residuals untouched) and write its
+        averaged aggregates into ``into`` (or new tensors). Nothing is installed: residuals,
+        scheme state and step counters change in :meth:`_commit`, once every bucket is
+        finite. A tensor whose compression error is measured this step from its input
+        (no error feedback, :meth:`_reports`) is written at the commit, after its report,
+        since its input may be the very gradient written into."""
+        if bucket.settled:
             return
-        local = [f.name for f in bad if not bool(f.x.isfinite().all())]
-        step = max(self._steps[f.name] for f in bad)
-        raise NonFiniteGradientError([f.name for f in bad], local, step, self.comm.rank)
+        bucket.settled = True
+        started = time.perf_counter()
+        flights = [f for f in bucket.members if f.parts is None]
+        if self._nonfinite(flights):
+            self._found_bad = True
+        if not self._found_bad:
+            feedback = [f for f in flights if f.feedback]
+            for f, candidate in zip(feedback, self.feedback.prepare(
+                    [self._feedback_commit(f) for f in feedback]), strict=True):
+                f.candidate = candidate
+            copies: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+            for f in flights:
+                if f.feedback or isinstance(f.scheme, NoCompression) \
+                        or not self._reports(f.name, f.scheme):
+                    f.result = self._write(f, into.get(f.name), copies)
+            self._write_copies(copies)
+        self._current.seconds["commit"] += time.perf_counter() - started
+
+    @property
+    def _scale(self) -> float:
+        """What every aggregate (a sum over ranks) is multiplied by: the prescale, over the
+        number of ranks when averaging."""
+        return self.prescale / (self.comm.size if self.average else 1)
+
+    def _feedback_commit(self, flight: _InFlight) -> Commit:
+        """The error-feedback commit of a flight that has it (``flight.feedback``)."""
+        assert flight.outcome is not None
+        sent = flight.outcome.sent if flight.scheme.error_feedback else None
+        return Commit(flight.name, flight.x, sent, flight.scheme.name,
+                      self.feedback.due(flight.name, self.report_every))
+
+    def _write(self, flight: _InFlight, out: torch.Tensor | None,
+               copies: tuple[list[torch.Tensor], list[torch.Tensor]]) -> torch.Tensor:
+        """The flight's averaged aggregate, written into ``out`` if given: a plain tensor of
+        ``out``'s dtype and device is queued in ``copies`` (``(outs, aggregates)``) for
+        :meth:`_write_copies`, anything else written now (:meth:`_result`)."""
+        assert flight.outcome is not None
+        value = flight.outcome.aggregate
+        if out is not None and isinstance(value, torch.Tensor) and value.dtype == out.dtype \
+                and value.device == out.device:
+            copies[0].append(out)
+            copies[1].append(value.view(out.shape))
+            return out
+        return self._result(flight.outcome, flight.grad, out, self._scale)
+
+    def _write_copies(self, copies: tuple[list[torch.Tensor], list[torch.Tensor]]) -> None:
+        """The queued writes of :meth:`_write`: write_scaled's arithmetic, one call for all
+        the tensors."""
+        if copies[0]:
+            torch._foreach_copy_(copies[0], copies[1])
+            if self._scale != 1.0:
+                torch._foreach_mul_(copies[0], self._scale)
+
 
     def _commit(self, flights: list[_InFlight],
                 into: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Keep the step: install every residual update (those :meth:`_settle` computed,
+        and the rest computed now), scheme state and step counter, report, write the
+        aggregates not written yet, count the step's statistics."""
         started = time.perf_counter()
         results: dict[str, torch.Tensor] = {}
         stats = self._current
-        scale = self.prescale / (self.comm.size if self.average else 1)
-        commits: list[Commit] = []  # error feedback's, all at once after the loop
+        commits = [self._feedback_commit(f) for f in flights
+                   if f.feedback and f.candidate is None]
+        fresh = {c.name: c for c in self.feedback.prepare(commits)}
         copies: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # (out, aggregate)
         for flight in flights:
             outcome = flight.outcome
             assert outcome is not None
             name, scheme = flight.name, flight.scheme
-            if flight.feedback:
-                sent = outcome.sent if scheme.error_feedback else None
-                commits.append(Commit(name, flight.x, sent, scheme.name,
-                                      self.feedback.due(name, self.report_every)))
-            elif not isinstance(scheme, NoCompression) and self._reports(name, scheme):
+            if not flight.feedback and not isinstance(scheme, NoCompression) \
+                    and self._reports(name, scheme):
                 reported = time.perf_counter()
-                self._report(flight, outcome)  # before _result may write into the gradient
+                self._report(flight, outcome)  # before _write may write into the gradient
                 stats.seconds["report"] += time.perf_counter() - reported
             if outcome.state:
                 self._scheme_state[name] = outcome.state
             self._steps[name] += 1
-            out = into.get(name)
-            value = outcome.aggregate
-            if out is not None and isinstance(value, torch.Tensor) and value.dtype == out.dtype \
-                    and value.device == out.device:
-                copies[0].append(out)  # written below, all at once
-                copies[1].append(value.view(out.shape))
-                results[name] = out
-            else:
-                results[name] = self._result(outcome, flight.grad, out, scale)
+            results[name] = flight.result if flight.result is not None \
+                else self._write(flight, into.get(name), copies)
             stats.payload_bytes += outcome.payload_bytes
             stats.dense_bytes += 4 * flight.grad.numel()
             if isinstance(outcome.sent, Scattered):
@@ -612,11 +706,8 @@ class Pipeline:
                 stats.dense_tensors += 1
             else:
                 stats.compressed_tensors += 1
-        self.feedback.commit_many(commits)
-        if copies[0]:  # write_scaled's arithmetic, one call for all the tensors
-            torch._foreach_copy_(copies[0], copies[1])
-            if scale != 1.0:
-                torch._foreach_mul_(copies[0], scale)
+        self.feedback.install([f.candidate or fresh[f.name] for f in flights if f.feedback])
+        self._write_copies(copies)
         stats.seconds["commit"] += time.perf_counter() - started
         self.total.add(stats)
         self.last_step, self._current = stats, StepStats()
