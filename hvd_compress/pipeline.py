@@ -156,7 +156,14 @@ class Pipeline:
             A measurement reads the tensor once or twice (a compressed all-reduce also
             decodes its own payload) and waits for the result on the host, so it is kept
             off most steps (docs/benchmarks.md has its cost).
+
+    ``settle_early`` (class attribute, default ``True``): each bucket is checked, its
+    residual updates computed and its aggregates written as soon as its last round ends
+    (:meth:`_settle`); ``False`` does all of it after the last bucket's round, the same
+    results bit for bit (a performance switch for comparisons, not an option).
     """
+
+    settle_early = True
 
     def __init__(self, scheme: Scheme | Auto, comm: Communicator, policy: Policy | None = None,
                  average: bool = True, prescale: float = 1.0, seed: int = 0,
@@ -363,12 +370,12 @@ class Pipeline:
             self._launch_unplanned()
             active = [b for b in self._launched if b.groups]
             for bucket in self._launched:
-                if not bucket.groups:
+                if not bucket.groups and self.settle_early:
                     self._settle(bucket, into)
             while active:
                 for bucket in active:
                     self._finish_phase(bucket)
-                    if not bucket.groups:
+                    if not bucket.groups and self.settle_early:
                         self._settle(bucket, into)
                 active = [b for b in active if b.groups]
             assert all(f.outcome is not None for f in flights)
@@ -483,7 +490,7 @@ class Pipeline:
         for flight in bucket.members:
             if flight.request is None:
                 continue  # exchange finished
-            key = fusion_key(flight.request)
+            key = fusion_key(flight.request, getattr(self.comm, "gathers_frames", False))
             if key is None:
                 members.append([flight])
             elif key in by_key:

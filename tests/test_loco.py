@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hvd_compress import Compression
-from hvd_compress.feedback import ErrorFeedback
+from hvd_compress.feedback import Candidate, Commit, ErrorFeedback
 from hvd_compress.schemes.base import Dense, Scattered, Scheme, materialize, subtract
 from hvd_compress.schemes.topk import TopK
 from tests import convergence_harness as harness
@@ -178,15 +178,15 @@ def test_every_scheme_keeps_the_moving_average_of_its_errors(
     pipe = make_pipelines(LOCO_SCHEMES[name](beta), 1)[0]
     assert pipe.feedback.beta == beta
     handed: list[tuple[torch.Tensor, Dense]] = []
-    commit = pipe.feedback.commit_sent
+    prepare = pipe.feedback.prepare  # every commit's first half
 
-    def record(tensor: str, compensated: torch.Tensor, sent: Dense | None,
-               scheme: str = "", measure: bool = True) -> None:
-        assert sent is not None, f"{name} sent the tensor exactly"
-        handed.append((compensated.clone(), sent))
-        commit(tensor, compensated, sent, scheme, measure)
+    def record(commits: list[Commit]) -> list[Candidate]:
+        for c in commits:
+            assert c.sent is not None, f"{name} sent the tensor exactly"
+            handed.append((c.compensated.clone(), c.sent))
+        return prepare(commits)
 
-    monkeypatch.setattr(pipe.feedback, "commit_sent", record)
+    monkeypatch.setattr(pipe.feedback, "prepare", record)
     gen = torch.Generator().manual_seed(11)
     e = torch.zeros(4, 8)
     for step in range(3):
