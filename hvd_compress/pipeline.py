@@ -640,7 +640,10 @@ class Pipeline:
                         or not self._reports(f.name, f.scheme):
                     f.result = self._write(f, into.get(f.name), copies)
             self._write_copies(copies)
-        self._current.seconds["commit"] += time.perf_counter() - started
+        # Overlapped with the link while another bucket still has rounds in flight.
+        overlapped = any(b.groups for b in self._launched)
+        self._current.seconds["settle" if overlapped else "commit"] += \
+            time.perf_counter() - started
 
     @property
     def _scale(self) -> float:

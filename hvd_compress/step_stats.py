@@ -20,7 +20,11 @@ class StepStats:
     ``scheme`` (the schemes' own code: encoding, decoding, products), ``fuse`` (cutting and
     joining fused requests and starting collectives), ``wait <round>`` (blocked until a
     round's collectives finished: the transfer, Horovod's negotiation and cycle, and the
-    slowest rank), ``commit`` (finite check, residuals, writing the aggregates), ``report``
+    slowest rank), ``settle`` (a bucket's finite check, residual updates and writes done
+    as its last round ended while another bucket's rounds were still in flight:
+    :meth:`~hvd_compress.pipeline.Pipeline._settle`), ``commit`` (the rest of that work,
+    after the step's last round: the last buckets' share, installing the residuals and
+    state), ``report``
     (the compression error of the tensors without error feedback, whose residual update
     does not measure it: :meth:`~hvd_compress.feedback.ErrorFeedback.observe_sent`).
     ``sparse_entries``: the entries of the tensors a sparse scheme sent as (index, value)

@@ -1048,7 +1048,8 @@ def pass_throughput(one_rank: Mapping[str, Any]) -> float:
     PowerSGD's ``feedback`` and ``commit`` seconds are its three passes (residual added,
     residual kept, result written) over every float32 gradient."""
     phases = one_rank["ours_phases_s"]
-    return 3 * 4 * one_rank["parameters"] / (phases["feedback"] + phases["commit"])
+    return 3 * 4 * one_rank["parameters"] / (phases["feedback"] + phases["commit"]
+                                              + phases.get("settle", 0.0))
 
 
 def _run_check(args: Any) -> int:

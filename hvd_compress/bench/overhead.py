@@ -20,7 +20,7 @@ error feedback's early measurements, :func:`~hvd_compress.bench.cluster_rank.set
 ``repeats`` times in turn so a slow spell of the machine falls on all alike. Per step: the median
 wall time and the mean CPU seconds of the whole process. The hook's own cost is ``hook``
 less ``ddp``; ours is ``ours`` less ``floor``, and the sum of our optimizer's measured
-phases (``feedback``, ``scheme``, ``fuse``, ``commit``: its work on the training thread,
+phases (``feedback``, ``scheme``, ``fuse``, ``settle``, ``commit``: its work on the training thread,
 without waits). Horovod's background cycle (``HOROVOD_CYCLE_TIME``) delays a one-rank
 all-reduce without using the CPU, so CPU seconds, not wall time, compare the two.
 
@@ -62,7 +62,7 @@ from hvd_compress.bench.cluster_rank import (
 from hvd_compress.bench.report import Column, Row
 
 SYSTEMS = ("floor", "ddp", "hook", "ours", "alternate")
-OWN_PHASES = ("feedback", "scheme", "fuse", "commit", "report")
+OWN_PHASES = ("feedback", "scheme", "fuse", "settle", "commit", "report")
 """Our optimizer's phases that are its own work (the others are ``wait ...``)."""
 DEFAULT_MODELS = ("mlp", "mlp8m", "mlp-deep", "mlp-narrow", "cnn", "transformer")
 CPU_RATIO = 1.2
