@@ -26,8 +26,11 @@ yield one request per round (:mod:`hvd_compress.comm.ops`) and never see the fus
    all-to-alls are concatenated per destination. A :class:`~hvd_compress.comm.ops.SparseSum`
    (its communicator may send it to a parameter server keyed by the tensor) and a
    self-delimiting all-gather (``sizes=None``) travel alone, as does a request that is the
-   only one of its kind in the phase. Members whose exchange has ended drop out of later
-   phases.
+   only one of its kind in the phase; except that when the communicator gathers frames
+   (``gathers_frames``, Horovod's), top-k's :class:`~hvd_compress.comm.sparse_frames.
+   PairsSum` requests of one value dtype travel as one
+   :class:`~hvd_compress.comm.sparse_frames.FramesSum`, one all-gather of each rank's
+   frames. Members whose exchange has ended drop out of later phases.
 4. ``Pipeline.wait`` starts the buckets not yet started, then drives all of them phase by
    phase, in launch order: it waits on a phase's collectives, hands every member its
    slice (:func:`split_result`), which runs the member's exchange to its next request, and
@@ -68,10 +71,12 @@ from typing import Any, TypeVar
 import torch
 
 from hvd_compress.comm.ops import AllGather, AllReduce, AllToAll, Collective
+from hvd_compress.comm.sparse_frames import FramesSum, PairsSum
 from hvd_compress.native import buffers
 
 Result = torch.Tensor | list[torch.Tensor]
-"""What a collective returns: a tensor (all-reduce), or one tensor per rank."""
+"""What a collective returns: a tensor (all-reduce), or one tensor per rank (a
+:class:`~hvd_compress.comm.sparse_frames.FramesSum`: one sum per member instead)."""
 T = TypeVar("T")
 
 
@@ -98,14 +103,22 @@ def assign_buckets(names: Sequence[str], numels: Sequence[int],
     return buckets
 
 
-def fusion_key(request: Collective) -> tuple[str, torch.dtype, torch.device] | None:
+def fusion_key(request: Collective, gathers_frames: bool = False
+               ) -> tuple[str, torch.dtype, torch.device] | None:
     """Requests with equal keys may travel as one collective; ``None``: never fused.
 
     :class:`~hvd_compress.comm.ops.SparseSum` is not fused (its communicator may send it to
-    a parameter server that keys rounds by tensor), nor is a self-delimiting
-    :class:`~hvd_compress.comm.ops.AllGather` (``sizes=None``: there is no way to tell
-    where one member's part of a rank's bytes ends).
+    a parameter server that keys rounds by tensor), except a
+    :class:`~hvd_compress.comm.sparse_frames.PairsSum` when ``gathers_frames`` (the
+    communicator's attribute of that name: it all-gathers frames, which are
+    self-delimiting), keyed by its values' dtype and device. Nor is a self-delimiting
+    :class:`~hvd_compress.comm.ops.AllGather` fused (``sizes=None``: there is no way to
+    tell where one member's part of a rank's bytes ends).
     """
+    if isinstance(request, PairsSum):
+        if not gathers_frames:
+            return None
+        return "frames", request.values.dtype, request.values.device
     if isinstance(request, AllReduce):
         kind = "allreduce"
     elif isinstance(request, AllGather) and request.sizes is not None:
@@ -121,12 +134,14 @@ def fused_name(bucket: int, phase: int, names: Sequence[str],
                requests: Sequence[Collective]) -> str:
     """``hvdc.b<bucket>.<phase>.<kind>.<digest>``: the same on every rank that agrees on
     the members, their rounds and sizes (not a device index, which differs between ranks)."""
-    key = fusion_key(requests[0])
+    key = fusion_key(requests[0], gathers_frames=True)
     assert key is not None
     digest = hashlib.blake2b(digest_size=4)
     digest.update(str(key[1]).encode())
     for name, request in zip(names, requests, strict=True):
-        if isinstance(request, AllToAll):  # sizes are checked when the result arrives
+        if isinstance(request, PairsSum):
+            extent: Any = request.numel
+        elif isinstance(request, AllToAll):  # sizes are checked when the result arrives
             extent: Any = len(request.splits)
         elif isinstance(request, AllGather):
             extent = request.sizes
@@ -143,7 +158,8 @@ def _all(requests: Sequence[Collective], kind: type[T]) -> list[T]:
     return typed
 
 
-def fuse(requests: Sequence[Collective], rank: int, size: int, where: str) -> Collective:
+def fuse(requests: Sequence[Collective], rank: int, size: int,
+         where: str) -> Collective | FramesSum:
     """One request carrying all of ``requests`` (equal :func:`fusion_key`), in order.
 
     * :class:`AllReduce`: the flattened tensors concatenated.
@@ -157,10 +173,16 @@ def fuse(requests: Sequence[Collective], rank: int, size: int, where: str) -> Co
     to one tensor and its views at a time, and a fused all-reduce may sum in place into it,
     so a step touches no fresh pages (a page fault per 4 KiB on first touch) and a result or
     state that is a view of a fused buffer keeps it from being lent again.
+    * :class:`~hvd_compress.comm.sparse_frames.PairsSum`: a
+      :class:`~hvd_compress.comm.sparse_frames.FramesSum` of them (the communicator
+      encodes the frames; nothing is copied here).
+
     Raises :class:`RuntimeError` naming ``where`` if a member's sizes do not describe its
     own tensor (a scheme bug the unfused path would have hit in the collective).
     """
     round_name = "+".join(dict.fromkeys(r.round for r in requests))
+    if isinstance(requests[0], PairsSum):
+        return FramesSum(round_name, tuple(_all(requests, PairsSum)))
     if isinstance(requests[0], AllReduce):
         reduces = _all(requests, AllReduce)
         return AllReduce(round_name, buffers.cat([r.tensor for r in reduces]), inplace=True)
@@ -211,6 +233,11 @@ def split_result(requests: Sequence[Collective], result: Result, rank: int, size
         return [piece.view(r.tensor.shape) for piece, r in zip(torch.split(flat, numels),
                                                                 reduces)]
     assert isinstance(result, list)
+    if isinstance(requests[0], PairsSum):  # the communicator split it by member
+        if len(result) != len(requests):
+            raise RuntimeError(f"{where}: the fused sparse sum returned {len(result)} "
+                               f"results for {len(requests)} tensors")
+        return list(result)
     if len(result) != size:
         raise RuntimeError(f"{where}: the fused collective returned {len(result)} parts for "
                            f"{size} ranks")

@@ -4,6 +4,7 @@ it replaces."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -13,13 +14,17 @@ import torch
 from hvd_compress import Compression, Pipeline, Policy
 from hvd_compress.comm.ops import AllGather, SparseSum
 from hvd_compress.comm.sparse_frames import (
+    FramesSum,
     PairsSum,
     SummedPairs,
+    encode_frames,
     encode_sparse_frame,
     sum_frames,
+    sum_gathered,
 )
 from hvd_compress.comm.threads import ThreadGroup
 from hvd_compress.native import available
+from hvd_compress.pipeline import DEFAULT_BUCKET_BYTES
 from hvd_compress.schemes.base import Scattered
 from tests.test_determinism import bits, overlapping, rank_order_sum
 from tests.threaded import on_threads
@@ -29,15 +34,21 @@ needs_native = pytest.mark.skipif(not available(), reason="native library unavai
 
 class FramesCommunicator:
     """A ThreadGroup rank that sends sparse sums as Horovod's all-gather route does: each
-    rank's frame gathered, then :func:`sum_frames`."""
+    rank's frames gathered, then :func:`sum_gathered`; with ``gathers_frames`` the pipeline
+    may hand it a bucket's as one :class:`FramesSum`. Counts the frame gathers it starts
+    (``gathers``), the sparse sums they carry (``sums``) and those that came back as
+    :class:`SummedPairs` (``pairs``)."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Any, gathers_frames: bool = False) -> None:
         self.inner, self.rank, self.size = inner, inner.rank, inner.size
-        self.pairs = 0  # results that came back as SummedPairs
+        self.gathers_frames = gathers_frames
+        self.gathers = self.sums = self.pairs = 0
 
     def start(self, name: str, op: Any) -> Any:
-        if isinstance(op, SparseSum):
-            frame = torch.frombuffer(bytearray(encode_sparse_frame(name, self.rank, op)),
+        if isinstance(op, SparseSum | FramesSum):
+            self.gathers += 1
+            self.sums += len(op.sums) if isinstance(op, FramesSum) else 1
+            frame = torch.frombuffer(bytearray(encode_frames(name, self.rank, op)),
                                      dtype=torch.uint8)
             return ("frames", op, self.inner.start(name, AllGather("frames", frame)))
         return self.inner.start(name, op)
@@ -45,8 +56,9 @@ class FramesCommunicator:
     def wait(self, handle: Any) -> Any:
         if isinstance(handle, tuple) and handle[0] == "frames":
             gathered = self.inner.wait(handle[2])
-            result = sum_frames(handle[1], torch.cat(list(gathered)).numpy())
-            self.pairs += isinstance(result, SummedPairs)
+            result = sum_gathered(handle[1], torch.cat(list(gathered)).numpy())
+            results = result if isinstance(result, list) else [result]
+            self.pairs += sum(isinstance(r, SummedPairs) for r in results)
             return result
         return self.inner.wait(handle)
 
@@ -81,17 +93,22 @@ def test_scattered_writes_a_non_contiguous_output_like_the_dense_form() -> None:
     assert torch.equal(out, pairs.materialize() * 0.5)
 
 
-def _train(frames: bool, spec: str, ranks: int, steps: int
-           ) -> list[tuple[list[dict[str, torch.Tensor]], dict[str, Any]]]:
-    group = ThreadGroup(ranks, timeout=30)
-    shapes = {"w1": (300, 200), "w2": (64, 1000), "w3": (7, 3000), "b": (40,)}
+SHAPES = {"w1": (300, 200), "w2": (64, 1000), "w3": (7, 3000), "b": (40,)}
 
-    def work(rank: int) -> tuple[list[dict[str, torch.Tensor]], dict[str, Any]]:
-        comm: Any = group.communicator(rank)
-        if frames:
-            comm = FramesCommunicator(comm)
-        pipe = Pipeline(Compression.parse(spec), comm, Policy(min_numel=1),
-                        average=True)
+
+def train(make_comm: Callable[[Any], Any], spec: str, ranks: int, steps: int,
+          shapes: dict[str, tuple[int, ...]] = SHAPES, min_numel: int = 1,
+          bucket_bytes: int | None = DEFAULT_BUCKET_BYTES
+          ) -> list[tuple[list[dict[str, torch.Tensor]], dict[str, Any], Any]]:
+    """Per ThreadGroup rank (its communicator ``make_comm(thread_rank)``): every step's
+    aggregates (``w3`` written into a non-contiguous output), the state dict, the
+    communicator."""
+    group = ThreadGroup(ranks, timeout=30)
+
+    def work(rank: int) -> tuple[list[dict[str, torch.Tensor]], dict[str, Any], Any]:
+        comm = make_comm(group.communicator(rank))
+        pipe = Pipeline(Compression.parse(spec), comm, Policy(min_numel=min_numel),
+                        average=True, bucket_bytes=bucket_bytes)
         pipe.plan(list(shapes), [torch.Size(s) for s in shapes.values()])
         gen = torch.Generator().manual_seed(100 + rank)
         results = []
@@ -102,9 +119,7 @@ def _train(frames: bool, spec: str, ranks: int, steps: int
             for name, g in grads.items():
                 pipe.submit(name, g)
             results.append({n: t.clone() for n, t in pipe.wait(into).items()})
-        if frames:  # every compressed tensor's sum came back as pairs
-            assert comm.pairs == steps * (len(shapes) - 1)
-        return results, pipe.state_dict()
+        return results, pipe.state_dict(), comm
 
     return on_threads(ranks, work)
 
@@ -113,20 +128,31 @@ def _train(frames: bool, spec: str, ranks: int, steps: int
 @pytest.mark.parametrize("spec", ["topk:ratio=0.01", "topk:ratio=0.001,values=fp16"])
 def test_topk_over_gathered_frames_trains_bit_for_bit_as_over_a_dense_sum(spec: str) -> None:
     ranks, steps = 3, 4
-    dense = _train(False, spec, ranks, steps)
-    pairs = _train(True, spec, ranks, steps)
-    for rank in range(ranks):
-        (got, got_state), (want, want_state) = pairs[rank], dense[rank]
-        for step in range(steps):
-            for name in want[step]:
-                assert torch.equal(bits(got[step][name]), bits(want[step][name])), \
+    dense = train(lambda comm: comm, spec, ranks, steps)
+    pairs = train(FramesCommunicator, spec, ranks, steps)
+    for _, _, comm in pairs:  # every compressed tensor's sum came back as pairs
+        assert comm.pairs == steps * (len(SHAPES) - 1)
+    assert_same_training([p[:2] for p in pairs], [d[:2] for d in dense])
+
+
+def assert_same_training(got: list[tuple[list[dict[str, torch.Tensor]], dict[str, Any]]],
+                         want: list[tuple[list[dict[str, torch.Tensor]], dict[str, Any]]]
+                         ) -> None:
+    """Per rank (steps' aggregates, state dict): ``got`` holds ``want``'s aggregates and
+    tensor residuals bit for bit, and every rank of ``got`` the same aggregates."""
+    for rank, ((steps, state), (expected_steps, expected_state)) in enumerate(zip(got, want)):
+        assert len(steps) == len(expected_steps)
+        for step, (row, expected_row) in enumerate(zip(steps, expected_steps)):
+            assert row.keys() == expected_row.keys()
+            for name in expected_row:
+                assert torch.equal(bits(row[name]), bits(expected_row[name])), \
                     (rank, step, name)
-        residuals, expected = got_state["residuals"], want_state["residuals"]
+        residuals, expected = state["residuals"], expected_state["residuals"]
         assert residuals.keys() == expected.keys()
         for key, value in expected.items():
             if isinstance(value, torch.Tensor):
                 assert torch.equal(bits(residuals[key]), bits(value)), key
-    for step in range(steps):  # replicas identical
-        for name in pairs[0][0][step]:
-            assert all(torch.equal(bits(pairs[r][0][step][name]),
-                                   bits(pairs[0][0][step][name])) for r in range(ranks))
+    for step, row in enumerate(got[0][0]):  # replicas identical
+        for name in row:
+            assert all(torch.equal(bits(steps[step][name]), bits(row[name]))
+                       for steps, _ in got), (step, name)

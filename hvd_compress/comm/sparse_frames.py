@@ -1,8 +1,14 @@
 """A :class:`~hvd_compress.comm.ops.SparseSum` as parameter-server frames, for the
-Horovod ``allgather`` fallback: the same bytes a worker would push to a server."""
+Horovod ``allgather`` fallback: the same bytes a worker would push to a server.
+
+A communicator that gathers frames (``gathers_frames = True``) may also be handed a
+:class:`FramesSum`: several of a bucket's :class:`PairsSum` requests as one all-gather of
+every rank's frames back to back (frames are self-delimiting and carry their member's
+place), split by member on arrival (:func:`sum_gathered`)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -11,7 +17,7 @@ import torch
 from hvd_compress.comm.ops import SparseSum, sorted_pairs, sum_pairs
 from hvd_compress.comm.staging import pairs_to_device
 from hvd_compress.native import sparse as native_sparse
-from hvd_compress.sparse_wire import Kind, encode_frame, split_frames
+from hvd_compress.sparse_wire import Frame, Kind, encode_frame, split_frames
 
 
 @dataclass(frozen=True)
@@ -35,10 +41,61 @@ class SummedPairs:
     values: torch.Tensor
 
 
+@dataclass(frozen=True)
+class FramesSum:
+    """Several :class:`PairsSum` requests of one bucket's phase as one collective: each
+    rank's frames of every member in turn, all-gathered as one byte string
+    (:func:`encode_frames`), and summed per member on arrival (:func:`sum_gathered`).
+
+    Only for a communicator whose ``gathers_frames`` is true (it all-gathers a sparse
+    sum's frames, as Horovod's does); never for one that sends a
+    :class:`~hvd_compress.comm.ops.SparseSum` to a parameter server, which keys rounds by
+    tensor. The result is one result per member, in order, the bits the member alone
+    would have got (:func:`sum_frames`). Member ``m``'s frames are named ``str(m)``."""
+
+    round: str
+    sums: tuple[PairsSum, ...]
+
+
 def encode_sparse_frame(name: str, rank: int, op: SparseSum) -> bytes:
     """Rank ``rank``'s pairs as one push frame of the whole tensor (shard 0 of 1, round 0)."""
     idx, val = sorted_pairs(op.numel, *op.host, f"tensor {name!r}")
     return encode_frame(Kind.PUSH, name, 0, 1, 0, rank, op.numel, idx, val, op.value_dtype)
+
+
+def encode_frames(name: str, rank: int, op: SparseSum | FramesSum) -> bytes:
+    """What rank ``rank`` all-gathers for ``op``: its one frame of a sparse sum named
+    ``name`` (:func:`encode_sparse_frame`), or its frames of a :class:`FramesSum`'s
+    members back to back, member ``m``'s named ``str(m)``."""
+    if isinstance(op, FramesSum):
+        return b"".join(encode_sparse_frame(str(m), rank, member)
+                        for m, member in enumerate(op.sums))
+    return encode_sparse_frame(name, rank, op)
+
+
+def sum_gathered(op: SparseSum | FramesSum, gathered: np.ndarray
+                 ) -> torch.Tensor | SummedPairs | list[torch.Tensor | SummedPairs]:
+    """The result of ``op`` from every rank's :func:`encode_frames` concatenated: for a
+    sparse sum, :func:`sum_frames`; for a :class:`FramesSum`, one such result per member
+    (its frames picked out by their names), in order. Raises :class:`RuntimeError` when a
+    member's frames are not one per rank."""
+    if not isinstance(op, FramesSum):
+        return sum_frames(op, gathered)
+    members: list[list[Frame]] = [[] for _ in op.sums]
+    for frame in split_frames(gathered):
+        m = int(frame.tensor) if frame.tensor.isdigit() else -1
+        if not 0 <= m < len(members):
+            raise RuntimeError(f"fused sparse sum {op.round!r}: a frame of rank "
+                               f"{frame.worker} names member {frame.tensor!r} of "
+                               f"{len(members)}")
+        members[m].append(frame)
+    ranks = len(members[0])
+    for m, frames in enumerate(members):
+        if len(frames) != ranks or len({f.worker for f in frames}) != ranks:
+            raise RuntimeError(f"fused sparse sum {op.round!r}: member {m} has frames of "
+                               f"ranks {sorted(f.worker for f in frames)}, member 0 of "
+                               f"{ranks} ranks")
+    return [_sum_split(member, frames) for member, frames in zip(op.sums, members)]
 
 
 def sum_frames(op: SparseSum, gathered: np.ndarray) -> torch.Tensor | SummedPairs:
@@ -49,7 +106,12 @@ def sum_frames(op: SparseSum, gathered: np.ndarray) -> torch.Tensor | SummedPair
     sorted pairs, :func:`hvd_compress.native.sparse.merge_sum`); otherwise the dense
     float32 sum, on the device of ``op.values``, whose pairs reach a device in one copy
     (:func:`~hvd_compress.comm.staging.pairs_to_device`)."""
-    frames = sorted(split_frames(gathered), key=lambda frame: frame.worker)
+    return _sum_split(op, split_frames(gathered))
+
+
+def _sum_split(op: SparseSum, frames: Sequence[Frame]) -> torch.Tensor | SummedPairs:
+    """:func:`sum_frames` of the frames already split."""
+    frames = sorted(frames, key=lambda frame: frame.worker)
     for frame in frames:
         if frame.numel != op.numel:
             raise RuntimeError(f"rank {frame.worker} sent {frame.numel} elements for tensor "
