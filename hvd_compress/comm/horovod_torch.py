@@ -11,16 +11,14 @@ value bit for bit.
 
 from __future__ import annotations
 
-import time
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import horovod.torch as hvd
 import torch
 
 # SUM_AS and MOVE_AS live beside the protocol, so communicators without Horovod share them.
-from hvd_compress.comm.base import MOVE_AS, SUM_AS, split_gathered
+from hvd_compress.comm.base import MOVE_AS, SUM_AS, poll_until, split_gathered
 from hvd_compress.comm.ops import AllGather, AllReduce, AllToAll, Collective, SparseSum
 from hvd_compress.comm.sparse_frames import FramesSum, encode_frames, sum_gathered
 
@@ -41,59 +39,6 @@ class _Started:
     handle: int
     dtype: torch.dtype | None = None  # set when the result must be turned back into it
     into: torch.Tensor | None = None  # an in-place all-reduce summed in another dtype
-    name: str = ""
-    began: float = field(default_factory=time.perf_counter)
-
-
-class Pacer:
-    """Sleeps until a Horovod request is done, with few wake-ups.
-
-    Horovod's ``synchronize`` spins (a core busy for the whole wait), so the communicator
-    polls and sleeps between polls. Each wake-up costs the thread CPU (20-27 µs here, on a
-    loaded 2-core machine), and a sleep schedule that starts at 1 µs and is capped at
-    0.5 ms wakes about 28 times over a 10 ms Horovod cycle, 200 times over a 100 ms
-    round on a slow link. Collectives keep their names from step to step (Horovod's
-    response cache needs that) and a name's round takes about as long each step, so the
-    pacer keeps, per name, how long its last :data:`HISTORY` rounds took from their start
-    to the poll that saw them done, and first sleeps until :data:`AHEAD` of the shortest
-    of those has passed since this round's start; then polls with sleeps from
-    :data:`FIRST` (or a twentieth of that shortest round, if longer) doubling up to
-    ``longest``. A round that ends sooner than predicted is seen at most ``AHEAD`` x the
-    shortest recent round late, and is recorded as that long, so the next prediction
-    shrinks by ``AHEAD``; a name with no history waits as before (1 µs doubling).
-    A round already done at the first poll is not recorded: it says nothing of its length.
-    """
-
-    HISTORY = 4
-    AHEAD = 0.8
-    FIRST = 1e-6
-    NAMES = 4096  # forget every name past this many (a pipeline uses a fixed set)
-
-    def __init__(self, longest: float = 5e-4) -> None:
-        self.longest = longest
-        self._took: dict[str, deque[float]] = {}
-
-    def wait(self, name: str, began: float, ready: Any) -> None:
-        """Return once ``ready()`` is true; ``began``: the request's ``perf_counter`` at
-        its start."""
-        if ready():
-            return
-        took = self._took.get(name)
-        sleep = self.FIRST
-        if took:
-            shortest = min(took)
-            ahead = began + self.AHEAD * shortest - time.perf_counter()
-            if ahead > 0:
-                time.sleep(ahead)
-            sleep = max(sleep, shortest / 20)
-        while not ready():
-            time.sleep(sleep)
-            sleep = min(2 * sleep, self.longest)
-        if took is None:
-            if len(self._took) >= self.NAMES:
-                self._took.clear()
-            took = self._took[name] = deque(maxlen=self.HISTORY)
-        took.append(time.perf_counter() - began)
 
 
 class HorovodTorchCommunicator:
@@ -110,14 +55,8 @@ class HorovodTorchCommunicator:
         self.process_set = process_set if process_set is not None else hvd.global_process_set
         self.rank = self.process_set.rank()
         self.size = self.process_set.size()
-        self.pacer = Pacer()
 
     def start(self, name: str, op: Collective) -> _Started:
-        started = self._start(name, op)
-        started.name = name
-        return started
-
-    def _start(self, name: str, op: Collective) -> _Started:
         ps = self.process_set
         if isinstance(op, AllReduce):
             wide = SUM_AS.get(op.tensor.dtype)
@@ -148,8 +87,7 @@ class HorovodTorchCommunicator:
 
     def wait(self, started: _Started) -> torch.Tensor | list[torch.Tensor]:
         op = started.op
-        # synchronize alone would spin
-        self.pacer.wait(started.name, started.began, lambda: hvd.poll(started.handle))
+        poll_until(lambda: hvd.poll(started.handle))  # synchronize alone would spin
         result = hvd.synchronize(started.handle)
         if isinstance(op, AllReduce):
             if started.into is not None:
