@@ -97,8 +97,11 @@ class SparseSum:
     parameter server adds pushes in too; every communicator returns those bits on every
     rank and device, so replicas never drift apart.
 
-    Never fused: every sparse sum is its own collective, named after its tensor (the
-    parameter server keeps rounds per tensor and shards by the tensor's index range).
+    Fusion contract: none; every sparse sum is its own collective, named after its tensor
+    (the parameter server keeps rounds per tensor and shards by the tensor's index range).
+    The one exception is top-k's :class:`~hvd_compress.comm.sparse_frames.PairsSum` on a
+    communicator that all-gathers frames (``gathers_frames``): a bucket's travel as one
+    :class:`~hvd_compress.comm.sparse_frames.FramesSum`, each summed as it would be alone.
     """
 
     round: str
