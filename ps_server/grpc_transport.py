@@ -233,7 +233,12 @@ async def _start(service: FrameHandler, bind: str, pull_timeout: float, token: s
             future = waiters[tensor] = loop.create_future()
         return future
 
+    loop_thread = threading.get_ident()
+
     def changed(tensor: str) -> None:  # called from any thread, with the store's lock
+        if threading.get_ident() == loop_thread:  # an inline push closed the round:
+            loop.call_soon(wake, tensor)  # no write to the loop's wake-up socket
+            return
         try:
             loop.call_soon_threadsafe(wake, tensor)
         except RuntimeError:  # the loop has stopped
@@ -272,6 +277,9 @@ async def _start(service: FrameHandler, bind: str, pull_timeout: float, token: s
                 return await loop.run_in_executor(executor, service.pull, request, peer,
                                                   timeout)
             frame = service.decode_pull(request, peer, **identity(context))
+            result = service.try_pull(frame, peer)  # most pulls: the round has closed
+            if result is not None:
+                return result
             give_up = loop.time() + timeout
             while True:
                 future = waiter(frame.tensor)  # before asking: a wake-up between is kept

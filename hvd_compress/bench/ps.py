@@ -79,6 +79,8 @@ COLUMNS = [
     Column("M pairs/s per server", field("mpairs_per_s_per_server", "{:.2f}")),
     Column("M pairs per server cpu s", optional_field("mpairs_per_server_cpu_s", "{:.2f}")),
     Column("vs no work", optional_field("vs_no_work", "{:.2f}")),
+    Column("server faults/round", optional_field("server_faults_per_round", "{:.0f}")),
+    Column("server switches/round", optional_field("server_switches_per_round", "{:.0f}")),
 ]
 TARGETS = [
     Target({"transport": "grpc"}, "mpairs_per_server_cpu_s", ">=", 60.0),
@@ -250,6 +252,22 @@ class ServerProcesses:
             total += precise
         return total
 
+    def events(self) -> tuple[int, int] | None:
+        """Minor page faults and context switches (voluntary and not) of the server
+        processes' threads so far, from ``/proc``; None where Linux does not give them."""
+        faults = switches = 0
+        try:
+            for proc in self.procs:
+                faults += int(Path(f"/proc/{proc.pid}/stat").read_text()
+                              .rpartition(")")[2].split()[7])
+                for task in Path(f"/proc/{proc.pid}/task").iterdir():
+                    for line in (task / "status").read_text().splitlines():
+                        if "ctxt_switches:" in line:
+                            switches += int(line.split()[1])
+        except (OSError, ValueError, IndexError):
+            return None
+        return faults, switches
+
     def close(self) -> None:
         for proc in self.procs:
             proc.terminate()
@@ -332,12 +350,12 @@ def measure_grpc(shards: int, workers: int, numel: int, density: float, rounds: 
         for t in threads:
             t.start()
         barrier.wait()  # every worker has finished the warm-up round
-        cpu_before = servers.cpu_seconds()
+        cpu_before, events_before = servers.cpu_seconds(), servers.events()
         start = time.perf_counter()
         for t in threads:
             t.join()
         seconds = time.perf_counter() - start
-        cpu = servers.cpu_seconds() - cpu_before
+        cpu, events_after = servers.cpu_seconds() - cpu_before, servers.events()
     finally:
         for row in channels:
             for channel in row:
@@ -347,8 +365,12 @@ def measure_grpc(shards: int, workers: int, numel: int, density: float, rounds: 
         raise RuntimeError(f"a simulated worker failed: {errors[0]!r}") from errors[0]
     k = max(1, int(density * numel))
     push_bytes = float(np.mean([_round_bytes(pushes, r)[0] for r in range(1, 1 + rounds)]))
-    return _row(TRANSPORT_ONLY if transport_only else "grpc", shards, workers, workers * k,
-                rounds, seconds, cpu, mode, push_bytes, sum(pulled) / workers / rounds)
+    row = _row(TRANSPORT_ONLY if transport_only else "grpc", shards, workers, workers * k,
+               rounds, seconds, cpu, mode, push_bytes, sum(pulled) / workers / rounds)
+    if events_before is not None and events_after is not None:
+        row["server_faults_per_round"] = (events_after[0] - events_before[0]) / rounds
+        row["server_switches_per_round"] = (events_after[1] - events_before[1]) / rounds
+    return row
 
 
 def measure_mpi(shards: int, workers: int, numel: int, density: float, rounds: int,
