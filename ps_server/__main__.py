@@ -23,7 +23,6 @@ from typing import Any
 
 from hvd_compress import __version__
 from hvd_compress.ps_protocol import TOKEN_ENV
-from ps_server.rounds import keep_freed_memory
 from ps_server.service import CHECKPOINT_EVERY, ShardService
 from ps_server.store import MODES, Quorum, ShardStore
 
@@ -306,12 +305,9 @@ def _before_serving() -> None:
     """Once everything is set up: move what is alive then (modules, the store, the
     transport's objects) out of the garbage collector's reach (``gc.freeze``), so its
     collections walk only what requests allocate, not the tens of thousands of objects of
-    numpy's, gRPC's and our modules; and have glibc reuse freed blocks of up to
-    32 MB instead of mapping fresh pages for each round's frames
-    (:func:`ps_server.rounds.keep_freed_memory`)."""
+    numpy's, gRPC's and our modules, which live until exit anyway."""
     gc.collect()
     gc.freeze()
-    keep_freed_memory()
 
 
 def _serve_grpc(args: argparse.Namespace, service: ShardService, host: str, port: int,

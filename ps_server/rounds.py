@@ -284,27 +284,6 @@ def release_memory() -> None:
         _libc.malloc_trim(0)
 
 
-KEEP_FREED_BYTES = 64 << 20
-"""Freed heap memory glibc keeps for reuse (``M_TRIM_THRESHOLD``) once
-:func:`keep_freed_memory` has run, and the size below which blocks come from the heap
-(``M_MMAP_THRESHOLD``, half of it)."""
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
-
-
-def keep_freed_memory() -> bool:
-    """Make glibc reuse freed blocks of up to ``KEEP_FREED_BYTES / 2`` (a round's aggregate
-    frame, gRPC's request and reply buffers) instead of mapping fresh pages for each and
-    returning them when freed: by default a block of 128 KB or more (the threshold grows
-    with the blocks freed) is its own mapping, and every round pays a page fault per
-    4 KB of its reply (396 a round for the 1.6 MB aggregate of 8 workers in ``bench ps``).
-    :func:`release_memory` still returns everything free after an expiry. False where
-    there is no glibc (nothing changed)."""
-    if _libc is None or not hasattr(_libc, "mallopt"):
-        return False
-    return bool(_libc.mallopt(_M_MMAP_THRESHOLD, KEEP_FREED_BYTES // 2)
-                and _libc.mallopt(_M_TRIM_THRESHOLD, KEEP_FREED_BYTES))
-
-
 def _load_libc() -> Any:
     name = ctypes.util.find_library("c")
     try:

@@ -17,7 +17,6 @@ import threading
 from collections.abc import Sequence
 
 from ps_server.grpc_transport import serve
-from ps_server.rounds import keep_freed_memory
 from ps_server.service import ACCEPTED
 
 
@@ -43,7 +42,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     server, port = serve(NullHandler(args.reply_bytes), "127.0.0.1:0", 600.0,
                          max_message_bytes=args.max_message_mb << 20)
-    keep_freed_memory()  # as the working server does, so both map their pages alike
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     print(f"serving shard 0/1 on 127.0.0.1:{port} (no work, replies of "
