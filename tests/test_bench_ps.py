@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from hvd_compress.bench import ps
+from hvd_compress.bench.report import format_table
 
 NUMEL, DENSITY = 200_000, 0.01
 
@@ -23,6 +24,11 @@ def test_in_process_rows_give_each_modes_traffic_and_the_memcpy_beside_it(worker
         assert row["vs_memcpy"] == pytest.approx(row["server_ns_per_pair"]
                                                  / row["memcpy_ns_per_pair"])
         assert row["median_ns_per_pair"] >= row["server_ns_per_pair"]
+    # The table renders them, with "-" for what only a gRPC row measures (page faults).
+    table = format_table([union, topk], ps.COLUMNS).splitlines()
+    assert [c.header for c in ps.COLUMNS[-2:]] == ["server faults/round",
+                                                   "server switches/round"]
+    assert len(table) == 4 and all(line.split()[-2:] == ["-", "-"] for line in table[2:])
 
 
 def test_rounds_shrink_above_eight_workers():

@@ -29,8 +29,9 @@ def field(key: str, fmt: str = "{}") -> Callable[[Row], str]:
 
 
 def optional_field(key: str, fmt: str) -> Callable[[Row], str]:
-    """Like :func:`field`, but ``-`` where the field is ``None`` (not measured)."""
-    return lambda row: "-" if row[key] is None else fmt.format(row[key])
+    """Like :func:`field`, but ``-`` where the field is ``None`` or absent (not measured:
+    ``bench ps`` counts a server process's page faults over gRPC only, say)."""
+    return lambda row: "-" if row.get(key) is None else fmt.format(row[key])
 
 
 @dataclass(frozen=True)
