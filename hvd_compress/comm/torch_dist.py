@@ -13,6 +13,8 @@ Self-delimiting all-gathers (``sizes=None``) and sparse sums go through ``fallba
 there is one (Horovod, or a parameter server around it); without one the group carries
 them in two collectives, the byte counts and then the bytes padded to the longest (sparse
 pairs as the frames a Horovod ``allgather`` would carry, so the sums are the same bits).
+Either way a bucket's top-k sums travel as one all-gather of frames, as on Horovod
+(``gathers_frames``; :class:`~hvd_compress.comm.sparse_frames.FramesSum`).
 
 Invariant: collectives are matched by the order they start, not by name. The pipeline
 starts them in an order every rank reproduces when every rank submits the same tensors
@@ -45,7 +47,7 @@ import torch.distributed as dist
 
 from hvd_compress.comm.base import SUM_AS, Communicator
 from hvd_compress.comm.ops import AllGather, AllReduce, AllToAll, Collective, SparseSum
-from hvd_compress.comm.sparse_frames import encode_sparse_frame, sum_frames
+from hvd_compress.comm.sparse_frames import FramesSum, encode_frames, sum_gathered
 
 BACKENDS = ("gloo", "nccl")
 """The ``torch.distributed`` backends the communicator runs on."""
@@ -68,7 +70,7 @@ class _Started:
 class _Counted:
     """A variable-size all-gather whose byte counts are in flight (:meth:`_gather_counts`)."""
 
-    op: AllGather | SparseSum
+    op: AllGather | SparseSum | FramesSum
     work: Any
     counts: torch.Tensor
     sent: torch.Tensor  # this rank's bytes, on the collective's device
@@ -89,6 +91,13 @@ class TorchDistCommunicator:
 
     ordered = True
     """Collectives are matched by start order (see :class:`~hvd_compress.pipeline.Pipeline`)."""
+
+    @property
+    def gathers_frames(self) -> bool:
+        """Whether a bucket's top-k sums may travel as one
+        :class:`~hvd_compress.comm.sparse_frames.FramesSum`: the group gathers sparse sums'
+        frames itself (no ``fallback``), or its fallback does (Horovod's)."""
+        return self.fallback is None or bool(getattr(self.fallback, "gathers_frames", False))
 
     def __init__(self, group: Any = None, fallback: Communicator | None = None) -> None:
         self.group = group if group is not None else dist.group.WORLD
@@ -119,8 +128,8 @@ class TorchDistCommunicator:
             return self._all_to_all(op)
         if self.fallback is not None:
             return self.fallback.start(name, op)
-        if isinstance(op, SparseSum):
-            frame = torch.frombuffer(bytearray(encode_sparse_frame(name, self.rank, op)),
+        if isinstance(op, SparseSum | FramesSum):
+            frame = torch.frombuffer(bytearray(encode_frames(name, self.rank, op)),
                                      dtype=torch.uint8)
             return self._gather_counts(op, frame, torch.uint8)
         if isinstance(op, AllGather):
@@ -174,7 +183,7 @@ class TorchDistCommunicator:
                                       async_op=True)
         return _Started(op, work, (list(torch.split(output, receive)), tensor.dtype))
 
-    def _gather_counts(self, op: AllGather | SparseSum, data: torch.Tensor,
+    def _gather_counts(self, op: AllGather | SparseSum | FramesSum, data: torch.Tensor,
                        dtype: torch.dtype) -> _Counted:
         """Start the first of a variable-size all-gather's two collectives: every rank's
         byte count."""
@@ -187,7 +196,7 @@ class TorchDistCommunicator:
     def _gather_bytes(self, handle: _Counted) -> torch.Tensor | list[torch.Tensor]:
         """The second collective: every rank's bytes, padded to the longest. A sparse sum's
         frames are then summed in rank order (:func:`~hvd_compress.comm.sparse_frames.
-        sum_frames`); an all-gather's bytes are concatenated in rank order."""
+        sum_gathered`); an all-gather's bytes are concatenated in rank order."""
         handle.work.wait()
         counts = handle.counts.tolist()  # the sizes decide the buffer: one host read
         longest = max(counts)
@@ -198,8 +207,8 @@ class TorchDistCommunicator:
         dist.all_gather_into_tensor(output, sent, group=self.group)
         joined = torch.cat([output[r * longest:r * longest + n] for r, n in enumerate(counts)])
         op = handle.op
-        if isinstance(op, SparseSum):
-            return sum_frames(op, joined.cpu().numpy())
+        if isinstance(op, SparseSum | FramesSum):
+            return sum_gathered(op, joined.cpu().numpy())
         return [joined.view(handle.dtype).to(op.tensor.device)]
 
 
