@@ -27,7 +27,7 @@ all-gather or all-to-all, 2 round trips for a server).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from hvd_compress.comm.ops import AllGather, AllReduce, AllToAll, Collective, nbytes
@@ -155,19 +155,22 @@ def step_collectives(costs: Mapping[str, Mapping[str, RouteCost]],
     return list(fused.values()) + alone
 
 
-def step_cycles(costs: Mapping[str, Mapping[str, RouteCost]], routes: Mapping[str, str]) -> int:
+def step_cycles(costs: Mapping[str, Mapping[str, RouteCost]], routes: Mapping[str, str],
+                cycled: Collection[str] = KINDS) -> int:
     """Negotiation cycles a step of these routes takes: one per distinct (round, kind),
     sparse all-gathers included (the requests of one round and kind are ready together and
     Horovod's background loop starts them all in one cycle, fused or not: measured in
     ``docs/results/model/check-cycles-915bfdb``), plus one per server round of each tensor
-    (a parameter server has no cycle to share)."""
+    (a parameter server has no cycle to share). Only kinds in ``cycled`` go through
+    Horovod: with ``collectives="gloo"`` the dense kinds run on a Gloo group and only the
+    sparse sums (Horovod's all-gather of frames) and server rounds pay a cycle."""
     cycles: set[tuple[int, str]] = set()
     alone = 0
     for name, route in routes.items():
         for i, what in enumerate(costs[name][route].kinds):
             if what == SERVER:
                 alone += 1
-            else:
+            elif what in cycled:
                 cycles.add((i, what))
     return len(cycles) + alone
 

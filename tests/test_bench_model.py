@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -301,6 +302,28 @@ def test_a_round_and_kind_of_collectives_costs_one_cycle_fused_or_not() -> None:
     served = model.predict_job(ps, flat(cycle_s=cycle)).step_s - model.predict_job(
         ps, flat()).step_s
     assert served == pytest.approx((5 + 1) * cycle)  # five server rounds, one all-reduce
+
+
+def test_on_gloo_collectives_only_the_sparse_sums_pay_horovods_cycle() -> None:
+    """``SPEC@gloo``: the dense rounds go on a Gloo group (no cycle), top-k's sums still by
+    Horovod's all-gather of frames (one cycle for the round); a dense-only scheme pays none."""
+    shapes = {f"w{i}": (256, 256) for i in range(5)} | {"b": (256,)}
+    cycle = 1e-2
+    cluster = flat(cycle_s=cycle)
+    on_gloo = dataclasses.replace(cluster, cycled=(cost_model.SPARSE,))
+    for spec, cycles in (("topk:ratio=0.01", 1), ("powersgd:rank=2", 0)):
+        job = model.Job(shapes, spec)
+        saved = model.predict_job(job, cluster).step_s - model.predict_job(job, on_gloo).step_s
+        horovod = cost_model.step_cycles(*_costs_and_routes(job, cluster))
+        assert saved == pytest.approx((horovod - cycles) * cycle)
+        assert cost_model.step_cycles(*_costs_and_routes(job, cluster),
+                                      cycled=on_gloo.cycled) == cycles
+
+
+def _costs_and_routes(job: model.Job, cluster: model.Cluster) -> tuple[Any, Any]:
+    m = model.Model(job, cluster)
+    costs = m.costs()
+    return costs, m.routes(costs)
 
 
 def test_the_compute_floor_is_the_mean_of_the_runs_floor_rows_of_a_model() -> None:

@@ -70,6 +70,7 @@ from hvd_compress.bench.report import Column, field, markdown_table, optional_fi
 from hvd_compress.cost_model import (
     ALLREDUCE,
     ALLTOALL,
+    KINDS,
     SERVER,
     SPARSE,
     LinkModel,
@@ -105,6 +106,8 @@ class Cluster:
             collectives of two-level's ``rounds`` route).
         cycle_s: fixed cost per round and kind of collective (Horovod's cycle time; 0 for
             DDP or NCCL; :func:`hvd_compress.cost_model.step_cycles`).
+        cycled: the kinds of collective that pay ``cycle_s`` (all; with
+            ``collectives="gloo"`` only sparse sums and server rounds).
         header_share: protocol bytes per payload byte on the host link.
         cpu_s_per_byte: host CPU seconds per byte through the network stack.
         codec_scale: factor on codec and pass seconds measured here (ranks per core).
@@ -130,6 +133,7 @@ class Cluster:
     intra_bits: float = 0.0
     intra_latency_s: float = 0.0
     cycle_s: float = 0.0
+    cycled: tuple[str, ...] = KINDS
     header_share: float = 0.0
     cpu_s_per_byte: float = 0.0
     codec_scale: float = 1.0
@@ -505,7 +509,7 @@ class Model:
         numel = sum(math.prod(s) for s in job.tensors.values())
         count = (1 + 2 * self.error_feedback) * job.pipeline + 2 * (job.element_bytes == 2)
         passes = count * 4 * numel / c.copy_bytes_per_s * c.codec_scale
-        cycles = step_cycles(costs, routes)
+        cycles = step_cycles(costs, routes, c.cycled)
         # the exchange: every route's seconds and a cycle per round and kind (not the
         # per-collective latency of cost_model.predict, which Compression.auto uses)
         exchange = sum(costs[n][r].seconds(link) for n, r in routes.items()) + \
@@ -797,8 +801,9 @@ def row_case(row: Mapping[str, Any], tensors: Mapping[str, tuple[int, ...]],
         return Job(tensors, "none", pipeline=False,
                    element_bytes=2 if scheme == "fp16" else 4), cluster
     spec, *where = scheme.split("@")
-    if "gloo" in where:  # dense rounds on a torch.distributed Gloo group: no Horovod cycle
-        cluster = dataclasses.replace(cluster, cycle_s=0.0)
+    if "gloo" in where:  # dense rounds on a torch.distributed Gloo group: no Horovod cycle;
+        # top-k's sums still go by Horovod's all-gather of frames (gathers_frames)
+        cluster = dataclasses.replace(cluster, cycled=(SPARSE,))
     two_level = "host" in where
     split = None
     if two_level and _route_scheme(spec, SCHEME).linear_rounds:
