@@ -293,9 +293,7 @@ def test_a_round_and_kind_of_collectives_costs_one_cycle_fused_or_not() -> None:
     without = model.predict_job(job, flat())
     assert with_cycle.collectives == 6  # five all-gathers and one all-reduce
     assert with_cycle.step_s - without.step_s == pytest.approx(2 * cycle)
-    m = model.Model(job, flat())
-    costs = m.costs()
-    routes = m.routes(costs)
+    costs, routes = _costs_and_routes(job, flat())
     assert cost_model.step_cycles(costs, routes) == 2
     assert cost_model.collectives(costs, routes) == 6  # Compression.auto's count
     ps = dataclasses.replace(job, route="ps")
@@ -310,10 +308,10 @@ def test_on_gloo_collectives_only_the_sparse_sums_pay_horovods_cycle() -> None:
     shapes = {f"w{i}": (256, 256) for i in range(5)} | {"b": (256,)}
     cycle = 1e-2
     cluster = flat(cycle_s=cycle)
-    on_gloo = dataclasses.replace(cluster, cycled=(cost_model.SPARSE,))
     for spec, cycles in (("topk:ratio=0.01", 1), ("powersgd:rank=2", 0)):
         job = model.Job(shapes, spec)
-        saved = model.predict_job(job, cluster).step_s - model.predict_job(job, on_gloo).step_s
+        on_gloo = dataclasses.replace(job, gloo=True)
+        saved = model.predict_job(job, cluster).step_s - model.predict_job(on_gloo, cluster).step_s
         horovod = cost_model.step_cycles(*_costs_and_routes(job, cluster))
         assert saved == pytest.approx((horovod - cycles) * cycle)
         assert cost_model.step_cycles(*_costs_and_routes(job, cluster),

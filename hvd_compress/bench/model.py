@@ -106,8 +106,6 @@ class Cluster:
             collectives of two-level's ``rounds`` route).
         cycle_s: fixed cost per round and kind of collective (Horovod's cycle time; 0 for
             DDP or NCCL; :func:`hvd_compress.cost_model.step_cycles`).
-        cycled: the kinds of collective that pay ``cycle_s`` (all; with
-            ``collectives="gloo"`` only sparse sums and server rounds).
         header_share: protocol bytes per payload byte on the host link.
         cpu_s_per_byte: host CPU seconds per byte through the network stack.
         codec_scale: factor on codec and pass seconds measured here (ranks per core).
@@ -133,7 +131,6 @@ class Cluster:
     intra_bits: float = 0.0
     intra_latency_s: float = 0.0
     cycle_s: float = 0.0
-    cycled: tuple[str, ...] = KINDS
     header_share: float = 0.0
     cpu_s_per_byte: float = 0.0
     codec_scale: float = 1.0
@@ -193,6 +190,9 @@ class Job:
             off for stock Horovod and DDP.
         split: two-level's route, one of :data:`SPLITS`; ``None``: the one the scheme
             takes (:func:`two_level_split`).
+        gloo: ``collectives="gloo"``: the dense rounds on a Gloo group, so only the kinds
+            that still go through Horovod (top-k's all-gather of frames) and server rounds
+            pay its cycle (:func:`~hvd_compress.cost_model.step_cycles`).
     """
 
     tensors: Mapping[str, tuple[int, ...]]
@@ -205,6 +205,12 @@ class Job:
     element_bytes: int = 4
     pipeline: bool = True
     split: str | None = None
+    gloo: bool = False
+
+    @property
+    def cycled(self) -> tuple[str, ...]:
+        """The kinds of collective that wait for Horovod's cycle."""
+        return (SPARSE,) if self.gloo else KINDS
 
     def __post_init__(self) -> None:
         if self.split is not None and self.split not in SPLITS:
@@ -509,7 +515,7 @@ class Model:
         numel = sum(math.prod(s) for s in job.tensors.values())
         count = (1 + 2 * self.error_feedback) * job.pipeline + 2 * (job.element_bytes == 2)
         passes = count * 4 * numel / c.copy_bytes_per_s * c.codec_scale
-        cycles = step_cycles(costs, routes, c.cycled)
+        cycles = step_cycles(costs, routes, job.cycled)
         # the exchange: every route's seconds and a cycle per round and kind (not the
         # per-collective latency of cost_model.predict, which Compression.auto uses)
         exchange = sum(costs[n][r].seconds(link) for n, r in routes.items()) + \
@@ -801,15 +807,12 @@ def row_case(row: Mapping[str, Any], tensors: Mapping[str, tuple[int, ...]],
         return Job(tensors, "none", pipeline=False,
                    element_bytes=2 if scheme == "fp16" else 4), cluster
     spec, *where = scheme.split("@")
-    if "gloo" in where:  # dense rounds on a torch.distributed Gloo group: no Horovod cycle;
-        # top-k's sums still go by Horovod's all-gather of frames (gathers_frames)
-        cluster = dataclasses.replace(cluster, cycled=(SPARSE,))
     two_level = "host" in where
     split = None
     if two_level and _route_scheme(spec, SCHEME).linear_rounds:
         split = row_split(row)
     return Job(tensors, spec, route="ps" if "ps" in where else "native",
-               two_level=two_level, split=split), cluster
+               two_level=two_level, split=split, gloo="gloo" in where), cluster
 
 
 def _find(rows: Sequence[Mapping[str, Any]], system: str, scheme: str,
