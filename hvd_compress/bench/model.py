@@ -500,8 +500,10 @@ class Model:
         return min(cheapest_plans(costs, link), key=lambda plan: predict(costs, plan, link))
 
     def _link(self) -> LinkModel:
+        """``Compression.auto``'s link: a cycle per collective, none on a Gloo group (as
+        before :attr:`Job.gloo`, which counts top-k's cycle in :meth:`predict` only)."""
         c = self.cluster
-        return LinkModel(c.cycle_s, c.wire_s_per_byte)
+        return LinkModel(0.0 if self.job.gloo else c.cycle_s, c.wire_s_per_byte)
 
     def predict(self) -> Prediction:
         """The step's seconds by term (module docstring), with the routes ``auto`` or the
