@@ -162,8 +162,9 @@ def step_cycles(costs: Mapping[str, Mapping[str, RouteCost]], routes: Mapping[st
     Horovod's background loop starts them all in one cycle, fused or not: measured in
     ``docs/results/model/check-cycles-915bfdb``), plus one per server round of each tensor
     (a parameter server has no cycle to share). Only kinds in ``cycled`` go through
-    Horovod: with ``collectives="gloo"`` the dense kinds run on a Gloo group and only the
-    sparse sums (Horovod's all-gather of frames) and server rounds pay a cycle."""
+    Horovod: with ``collectives="gloo"`` every collective runs on a Gloo group (top-k's
+    sums as frames in slots of a size every rank knows) and only server rounds pay a
+    cycle."""
     cycles: set[tuple[int, str]] = set()
     alone = 0
     for name, route in routes.items():

@@ -239,6 +239,37 @@ def pairs_nbytes(indices: np.ndarray, numel: int, dtype: ValueDType | str) -> in
     return min(_section_sizes(idx, numel, ValueDType.parse(dtype).numpy.itemsize).values())
 
 
+def varint_bound(count: int, total: int) -> int:
+    """The most bytes :func:`varint_encode` can take for ``count`` gaps summing to at most
+    ``total``. A gap takes one more byte at each of 2**7, 2**14, ...; each step up costs
+    more gap than the one before, so the most bytes come from raising every gap one step
+    at a time, cheapest first, until ``total`` runs out."""
+    nbytes, left = count, total
+    for step in range(1, 10):
+        cost = (1 << (7 * step)) - ((1 << (7 * (step - 1))) if step > 1 else 0)
+        raised = min(count, left // cost)
+        nbytes += raised
+        left -= raised * cost
+        if raised < count:
+            break
+    return nbytes
+
+
+def frame_bound(tensor: str, numel: int, count: int, dtype: ValueDType | str) -> int:
+    """The most bytes :func:`encode_frame` takes for ``count`` strictly increasing indices
+    in ``[0, numel)`` of a tensor named ``tensor``, whichever they are: its header, name
+    and CRC, and the smallest coding's sections where their gaps (summing to at most
+    ``numel - count``) are spread to need the most varint bytes (:func:`varint_bound`).
+    What a collective of a size fixed in advance carries a frame in."""
+    itemsize = ValueDType.parse(dtype).numpy.itemsize
+    if not 0 <= count <= numel:
+        raise ValueError(f"{count} pairs do not fit a tensor of {numel} elements")
+    sections = min(varint_bound(count, numel - count), bitmap_nbytes(numel)) + \
+        count * itemsize
+    return HEADER_BYTES + len(tensor.encode("utf-8")) + min(sections, numel * itemsize) + \
+        _CRC_BYTES
+
+
 # Frames ------------------------------------------------------------------------------------
 def encode_frame(kind: Kind, tensor: str, shard: int, shards: int, round: int, worker: int,
                  numel: int, indices: np.ndarray | None = None,

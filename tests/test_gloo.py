@@ -22,12 +22,15 @@ def test_gloo_aggregates_equal_horovods_bit_for_bit(launcher: str) -> None:
     # At 2 ranks a sum has one order (a + b == b + a), so any difference would be a
     # collective that moved or summed the wrong bytes: every kind of round is covered
     # (all-reduce in fp32, fp16 and bf16-as-fp32, all-to-all and all-gather of packed
-    # bytes, PowerSGD's P and Q, and top-k's pairs through Horovod beside them).
+    # bytes, PowerSGD's P and Q, and top-k's pairs gathered as frames).
     ranks = run_ranks("tests.workers.gloo:aggregates", launcher=launcher,
                       specs=EXCHANGE_SPECS)
     for spec in EXCHANGE_SPECS:
         row = ranks[0][spec]
         assert row["gloo_collectives"] == row["horovod_collectives"] > 0, spec
+        # Every round stays on the group, top-k's sums too (frames in slots of a size
+        # every rank knows): none waits for Horovod's cycle.
+        assert row["handed_to_horovod"] == [], spec
     names = [n for n in ranks[0] if n not in EXCHANGE_SPECS]
     assert len(names) == 4 * len(EXCHANGE_SPECS)
     for name in names:

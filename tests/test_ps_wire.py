@@ -16,6 +16,7 @@ from hvd_compress.sparse_wire import (
     ValueDType,
     decode_frame,
     encode_frame,
+    frame_bound,
     pairs_nbytes,
     split_frames,
     varint_decode,
@@ -167,6 +168,35 @@ def test_pairs_nbytes_is_the_frame_minus_header_name_and_crc(density):
         frame = encode_frame(Kind.PUSH, "w", 0, 1, 0, 0, numel, np.sort(idx),
                              rng.standard_normal(idx.size), dtype)
         assert pairs_nbytes(idx, numel, dtype) == len(frame) - HEADER_BYTES - len("w") - 4
+
+
+def test_frame_bound_holds_wherever_the_indices_lie_and_is_reached():
+    # Top-k's sums on a torch.distributed group travel in slots of frame_bound bytes.
+    rng = np.random.default_rng(7)
+    for trial in range(600):
+        numel = int(rng.integers(1, 400_000))
+        count = int(rng.integers(0, min(numel, 2000) + 1))
+        if trial % 3 == 0:
+            idx = rng.choice(numel, count, replace=False)
+        elif trial % 3 == 1:  # evenly spread: the largest gaps that fit
+            idx = np.unique(np.linspace(0, numel - 1, count).astype(np.int64))
+        else:  # one stride from 0, up to the end
+            idx = np.arange(count) * int(rng.integers(1, 40_000))
+            idx = idx[idx < numel]
+        idx = np.sort(idx)
+        for dtype in ("fp32", "fp16"):
+            frame = encode_frame(Kind.PUSH, "12", 0, 1, 0, 3, numel, idx,
+                                 rng.standard_normal(idx.size), dtype)
+            assert len(frame) <= frame_bound("12", numel, idx.size, dtype), (numel, idx.size)
+    # Every gap at 2**7 (two varint bytes each) uses all the room: the bound is met exactly.
+    count = 1000
+    idx = np.arange(count) * 129 + 128
+    frame = encode_frame(Kind.PUSH, "w", 0, 1, 0, 0, 129 * count, idx, np.ones(count), "fp32")
+    assert len(frame) == frame_bound("w", 129 * count, count, "fp32")
+    # One more element of room cannot buy a third byte for any gap.
+    assert frame_bound("w", 129 * count + 1, count, "fp32") == len(frame)
+    with pytest.raises(ValueError, match="do not fit"):
+        frame_bound("w", 5, 6, "fp32")
 
 
 def test_split_frames_recovers_concatenated_frames():

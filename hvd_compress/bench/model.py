@@ -190,9 +190,9 @@ class Job:
             off for stock Horovod and DDP.
         split: two-level's route, one of :data:`SPLITS`; ``None``: the one the scheme
             takes (:func:`two_level_split`).
-        gloo: ``collectives="gloo"``: the dense rounds on a Gloo group, so only the kinds
-            that still go through Horovod (top-k's all-gather of frames) and server rounds
-            pay its cycle (:func:`~hvd_compress.cost_model.step_cycles`).
+        gloo: ``collectives="gloo"``: every collective on a Gloo group, top-k's all-gather
+            of frames too, so only server rounds pay Horovod's cycle
+            (:func:`~hvd_compress.cost_model.step_cycles`).
     """
 
     tensors: Mapping[str, tuple[int, ...]]
@@ -210,7 +210,7 @@ class Job:
     @property
     def cycled(self) -> tuple[str, ...]:
         """The kinds of collective that wait for Horovod's cycle."""
-        return (SPARSE,) if self.gloo else KINDS
+        return () if self.gloo else KINDS
 
     def __post_init__(self) -> None:
         if self.split is not None and self.split not in SPLITS:
@@ -500,8 +500,7 @@ class Model:
         return min(cheapest_plans(costs, link), key=lambda plan: predict(costs, plan, link))
 
     def _link(self) -> LinkModel:
-        """``Compression.auto``'s link: a cycle per collective, none on a Gloo group (as
-        before :attr:`Job.gloo`, which counts top-k's cycle in :meth:`predict` only)."""
+        """``Compression.auto``'s link: a cycle per collective, none on a Gloo group."""
         c = self.cluster
         return LinkModel(0.0 if self.job.gloo else c.cycle_s, c.wire_s_per_byte)
 

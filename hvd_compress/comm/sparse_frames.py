@@ -17,7 +17,7 @@ import torch
 from hvd_compress.comm.ops import SparseSum, sorted_pairs, sum_pairs
 from hvd_compress.comm.staging import pairs_to_device
 from hvd_compress.native import sparse as native_sparse
-from hvd_compress.sparse_wire import Frame, Kind, encode_frame, split_frames
+from hvd_compress.sparse_wire import Frame, Kind, encode_frame, frame_bound, split_frames
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,11 @@ class PairsSum(SparseSum):
     :class:`SummedPairs` when the values are on the CPU and the native merge is there, so
     that nothing of the tensor's dense size is written, read or copied for it; any other
     communicator (a parameter server, threads in one process) answers it as a plain
-    ``SparseSum``, with the dense sum. Both hold the same sums, bit for bit."""
+    ``SparseSum``, with the dense sum. Both hold the same sums, bit for bit.
+
+    Every rank sends the same number of pairs (top-k's ``k``), so every rank knows the
+    most bytes any rank's frame can take (:func:`frames_bound`) and a collective of that
+    fixed size can carry them, started at once."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,19 @@ def encode_frames(name: str, rank: int, op: SparseSum | FramesSum) -> bytes:
         return b"".join(encode_sparse_frame(str(m), rank, member)
                         for m, member in enumerate(op.sums))
     return encode_sparse_frame(name, rank, op)
+
+
+def frames_bound(name: str, op: SparseSum | FramesSum) -> int | None:
+    """The most bytes :func:`encode_frames` gives for ``op`` on any rank
+    (:func:`~hvd_compress.sparse_wire.frame_bound` of each frame), when every rank knows it:
+    for a :class:`PairsSum` or a :class:`FramesSum` (every rank's count is this rank's);
+    ``None`` for another sparse sum, whose count may differ between ranks."""
+    members = op.sums if isinstance(op, FramesSum) else (op,)
+    if not all(isinstance(member, PairsSum) for member in members):
+        return None
+    names = [str(m) for m in range(len(members))] if isinstance(op, FramesSum) else [name]
+    return sum(frame_bound(n, member.numel, member.indices.numel(), member.value_dtype)
+               for n, member in zip(names, members, strict=True))
 
 
 def sum_gathered(op: SparseSum | FramesSum, gathered: np.ndarray

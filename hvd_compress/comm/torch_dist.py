@@ -9,12 +9,16 @@ group, as DDP's communication hooks do (``async_op=True``, then ``Work.wait()``)
 for CPU tensors (``collectives="gloo"``), ``nccl`` for CUDA tensors
 (``collectives="nccl"``). See docs/design.md for the comparison with Horovod's loop.
 
-Self-delimiting all-gathers (``sizes=None``) and sparse sums go through ``fallback`` when
+Top-k's sums (:class:`~hvd_compress.comm.sparse_frames.PairsSum`, a bucket's as one
+:class:`~hvd_compress.comm.sparse_frames.FramesSum`) go on the group, unless the fallback
+sends them to a parameter server (``gathers_frames`` is false). Every rank sends the same
+number of pairs, so every rank knows the most bytes a rank's frames can take
+(:func:`~hvd_compress.comm.sparse_frames.frames_bound`), and one all-gather of that size,
+each rank's frames behind their length, starts at once. They are the frames a Horovod
+``allgather`` carries, summed the same way, so the sums are the same bits. Other
+self-delimiting all-gathers (``sizes=None``) and sparse sums go through ``fallback`` when
 there is one (Horovod, or a parameter server around it); without one the group carries
-them in two collectives, the byte counts and then the bytes padded to the longest (sparse
-pairs as the frames a Horovod ``allgather`` would carry, so the sums are the same bits).
-Either way a bucket's top-k sums travel as one all-gather of frames, as on Horovod
-(``gathers_frames``; :class:`~hvd_compress.comm.sparse_frames.FramesSum`).
+them in two collectives, the byte counts and then the bytes padded to the longest.
 
 Invariant: collectives are matched by the order they start, not by name. The pipeline
 starts them in an order every rank reproduces when every rank submits the same tensors
@@ -42,12 +46,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from hvd_compress.comm.base import SUM_AS, Communicator
 from hvd_compress.comm.ops import AllGather, AllReduce, AllToAll, Collective, SparseSum
-from hvd_compress.comm.sparse_frames import FramesSum, encode_frames, sum_gathered
+from hvd_compress.comm.sparse_frames import FramesSum, encode_frames, frames_bound, sum_gathered
 
 BACKENDS = ("gloo", "nccl")
 """The ``torch.distributed`` backends the communicator runs on."""
@@ -57,6 +62,10 @@ DEFAULT_TIMEOUT_S = 300.0
 
 _SIOCGIFADDR = 0x8915
 
+_LENGTH = np.dtype("<u8")
+"""What precedes a rank's frames in a bounded all-gather (:meth:`TorchDistCommunicator.
+_gather_bounded`): their length in bytes."""
+
 
 @dataclass
 class _Started:
@@ -64,6 +73,17 @@ class _Started:
     work: Any
     result: Any  # what the collective writes into
     into: torch.Tensor | None = None  # an in-place all-reduce summed in another dtype
+
+
+@dataclass
+class _Bounded:
+    """An all-gather of every rank's frames, each in a slot of ``slot`` bytes (its length,
+    then its frames, then zeros): :meth:`TorchDistCommunicator._gather_bounded`."""
+
+    op: SparseSum | FramesSum
+    work: Any
+    output: torch.Tensor
+    slot: int
 
 
 @dataclass
@@ -126,6 +146,10 @@ class TorchDistCommunicator:
             return self._all_gather(op)
         if isinstance(op, AllToAll):
             return self._all_to_all(op)
+        if isinstance(op, SparseSum | FramesSum) and self.gathers_frames:
+            bound = frames_bound(name, op)  # None: counts may differ, see the module's doc
+            if bound is not None:
+                return self._gather_bounded(name, op, bound)
         if self.fallback is not None:
             return self.fallback.start(name, op)
         if isinstance(op, SparseSum | FramesSum):
@@ -137,9 +161,11 @@ class TorchDistCommunicator:
             return self._gather_counts(op, tensor.view(torch.uint8), tensor.dtype)
         raise TypeError(f"unknown collective request {op!r}")
 
-    def wait(self, handle: Any) -> torch.Tensor | list[torch.Tensor]:
+    def wait(self, handle: Any) -> Any:
         if isinstance(handle, _Counted):
             return self._gather_bytes(handle)
+        if isinstance(handle, _Bounded):
+            return self._bounded_arrived(handle)
         if not isinstance(handle, _Started):
             assert self.fallback is not None
             return self.fallback.wait(handle)
@@ -182,6 +208,40 @@ class TorchDistCommunicator:
                                       [n * item for n in op.splits], group=self.group,
                                       async_op=True)
         return _Started(op, work, (list(torch.split(output, receive)), tensor.dtype))
+
+    def _gather_bounded(self, name: str, op: SparseSum | FramesSum, bound: int) -> _Bounded:
+        """Start one all-gather of every rank's frames of ``op``: a slot of the length,
+        then the frames, padded with zeros to ``bound``, the most any rank's take."""
+        frames = encode_frames(name, self.rank, op)
+        if len(frames) > bound:  # frame_bound is wrong: never send a slot others misread
+            raise RuntimeError(f"sparse sum {name!r}: rank {self.rank}'s frames take "
+                               f"{len(frames)} bytes, more than their bound of {bound}")
+        slot = _LENGTH.itemsize + bound
+        sent = torch.zeros(slot, dtype=torch.uint8)
+        host = sent.numpy()
+        host[:_LENGTH.itemsize] = np.array([len(frames)], _LENGTH).view(np.uint8)
+        host[_LENGTH.itemsize:_LENGTH.itemsize + len(frames)] = np.frombuffer(frames, np.uint8)
+        sent = sent.to(self.device)
+        output = sent.new_empty(slot * self.size)
+        work = dist.all_gather_into_tensor(output, sent, group=self.group, async_op=True)
+        return _Bounded(op, work, output, slot)
+
+    def _bounded_arrived(self, handle: _Bounded) -> Any:
+        """The sums of a bounded all-gather: each rank's frames cut from its slot by their
+        length, summed in rank order (:func:`~hvd_compress.comm.sparse_frames.
+        sum_gathered`)."""
+        handle.work.wait()
+        slots = handle.output.cpu().numpy().reshape(self.size, handle.slot)
+        lengths = slots[:, :_LENGTH.itemsize].copy().view(_LENGTH).reshape(-1)
+        longest = handle.slot - _LENGTH.itemsize
+        for rank, length in enumerate(lengths.tolist()):
+            if length > longest:
+                raise RuntimeError(f"sparse sum {handle.op.round!r}: rank {rank} says its "
+                                   f"frames take {length} bytes, more than the "
+                                   f"{longest} every rank reserved (ranks disagree on the "
+                                   "pairs each sends)")
+        return sum_gathered(handle.op, np.concatenate(
+            [slot[_LENGTH.itemsize:_LENGTH.itemsize + n] for slot, n in zip(slots, lengths)]))
 
     def _gather_counts(self, op: AllGather | SparseSum | FramesSum, data: torch.Tensor,
                        dtype: torch.dtype) -> _Counted:

@@ -17,9 +17,18 @@ from tests.workers.dense import SHAPES, _batches, _flat, _Net
 
 
 def aggregates(specs: list[str]) -> dict[str, Any]:
-    """Per scheme and tensor, the aggregate of one exchange over Horovod and over Gloo."""
+    """Per scheme and tensor, the aggregate of one exchange over Horovod and over Gloo; per
+    scheme, the kinds of request the Gloo communicator handed to its Horovod fallback."""
     horovod = HorovodTorchCommunicator()
-    gloo = GlooCommunicator(horovod_gloo_group(hvd), horovod)
+    fallback = HorovodTorchCommunicator()
+    handed: list[str] = []
+
+    def start(name: str, op: Any, start: Any = fallback.start) -> Any:
+        handed.append(type(op).__name__)
+        return start(name, op)
+
+    fallback.start = start  # type: ignore[method-assign]
+    gloo = GlooCommunicator(horovod_gloo_group(hvd), fallback)
     gen = torch.Generator().manual_seed(100 + hvd.rank())
     out: dict[str, Any] = {}
     for spec in specs:
@@ -32,6 +41,8 @@ def aggregates(specs: list[str]) -> dict[str, Any]:
             for name, result in pipe.reduce(tensors).items():
                 out.setdefault(name, {})[label] = result
             out.setdefault(spec, {})[f"{label}_collectives"] = pipe.last_step.collectives
+        out[spec]["handed_to_horovod"] = sorted(set(handed))
+        handed.clear()
     return out
 
 
