@@ -382,11 +382,11 @@ def DistributedOptimizer(
             order they start, so every rank must run the same parameters' backward (unused
             parameters are sent as zeros at ``step()``). Needs the global process set.
             Top-k's pairs go on the group too (every rank sends ``k``, so one all-gather
-            of a size known in advance carries them); other sparse pairs (DGC, random-k,
-            threshold) still go through Horovod, and every sparse sum to a ``ps=`` server;
-            for dense schemes ``HOROVOD_CYCLE_TIME=100`` spares Horovod's idle loop (see
-            docs/user-guide.md). ``"nccl"``: the same on a NCCL group for a model on the
-            GPU (:mod:`hvd_compress.comm.torch_dist`); refused, with what to change, unless
+            of a size known in advance carries them); other sparse pairs (DGC's,
+            threshold's) still go through Horovod, and every sparse sum to a ``ps=`` server;
+            for dense schemes and top-k ``HOROVOD_CYCLE_TIME=100`` spares Horovod's idle
+            loop (docs/user-guide.md). ``"nccl"``: the same on a NCCL group for a model on
+            the GPU (:mod:`hvd_compress.comm.torch_dist`); refused, with what to change, unless
             this torch has NCCL, CUDA is available and every parameter is on the current
             CUDA device (``torch.cuda.set_device(hvd.local_rank())`` then
             ``model.cuda()``).
