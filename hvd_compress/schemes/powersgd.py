@@ -132,7 +132,7 @@ class PowerSGD(Scheme):
         q = self._q(state, ctx, m, r, x.device)
         _, p = yield from _reduce_product("P", matrix, q)
         p_hat = torch.linalg.qr(p).Q
-        q_local = (p_hat.t() @ matrix).t()  # M^T P^ (see _reduce_product)
+        q_local = (_aligned(p_hat.t()) @ matrix).t()  # M^T P^ (see _reduce_product)
         q_total = (yield AllReduce("Q", q_local.t())).t()
 
         # Both kept as factors: the pipeline writes P^ Q^T straight into the gradient and
@@ -151,7 +151,7 @@ class PowerSGD(Scheme):
         rows = matrix.shape[0] if left else matrix.shape[1]
         basis = self._basis(key, state, ctx, rows, r, matrix.device)
         if left:
-            local = (basis.t() @ matrix).t()  # M^T B (see _reduce_product)
+            local = (_aligned(basis.t()) @ matrix).t()  # M^T B (see _reduce_product)
             total = (yield AllReduce("Q", local.t())).t()
             aggregate, sent = LowRank(basis, total, shape), LowRank(basis, local, shape)
             kept = {Q_STATE: torch.linalg.qr(total).Q}
@@ -253,7 +253,8 @@ class PowerSGD(Scheme):
         buffer, summed over ranks in one round: (this rank's buffer, the flat sum, their
         :class:`FlatLayout`). Each factor is stored as
         :func:`_reduce_product` (or, ``left``, the per-tensor ``Q`` round) lays it out,
-        computed by the same product, written in place into the buffer."""
+        computed by the same product, written in place into the buffer
+        (:func:`_product_into`)."""
         keys: list[FactorKey] = []
         for matrix, right in zip(matrices, rights, strict=True):
             n, m = matrix.shape
@@ -267,11 +268,11 @@ class PowerSGD(Scheme):
         for matrix, right, out, (_, _, transposed) in zip(matrices, rights, stored, keys,
                                                           strict=True):
             if left:  # M^T R as (R^T M)^T, as exchange() computes Q
-                torch.matmul(right.t(), matrix, out=out)
+                _product_into(out, _aligned(right.t()), matrix)
             elif transposed:
-                torch.matmul(right.t().contiguous(), matrix.t(), out=out)
+                _product_into(out, _aligned(right.t().contiguous()), matrix.t())
             else:
-                torch.matmul(matrix, right, out=out)
+                _product_into(out, matrix, _aligned(right))
         total = yield AllReduce(round_name, flat)
         return flat, total, layout
 
@@ -283,6 +284,37 @@ class PowerSGD(Scheme):
         if self.alternate:
             options["alternate"] = True
         return options
+
+
+ALIGNED_BYTES = 64
+"""The alignment of a fresh CPU tensor's memory (torch's allocator)."""
+
+
+def _off_alignment(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.data_ptr() % ALIGNED_BYTES != 0
+
+
+def _aligned(factor: torch.Tensor) -> torch.Tensor:
+    """``factor``, or a copy of it with the same strides at a fresh, aligned address.
+
+    On some CPUs (AMD EPYC) MKL's GEMM rounds a product differently when its thin factor,
+    or its destination, lies at an address that is not a multiple of 16 bytes. The big
+    matrix's own address does not change the bits (measured for every shape in
+    ``tests/test_pipeline.py`` and ``tests/test_powersgd_layout.py``). Factors cut from a
+    bucket's flat buffer lie anywhere, while the per-tensor path's are fresh tensors. So
+    every product takes its factor through here and its destination through
+    :func:`_product_into`, and the paths agree bit for bit. A copy costs the factor's
+    ``n r`` elements, small beside the product's ``n m r``."""
+    return factor.clone() if _off_alignment(factor) else factor
+
+
+def _product_into(out: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
+    """``out = left @ right``, computed into a fresh tensor and copied when ``out`` lies
+    off the alignment (:func:`_aligned`)."""
+    if _off_alignment(out):
+        out.copy_(left @ right)
+    else:
+        torch.matmul(left, right, out=out)
 
 
 TRANSPOSED_UP_TO = 1 << 19
@@ -313,9 +345,9 @@ def _reduce_product(round_name: str, matrix: torch.Tensor, right: torch.Tensor
     """
     n, m = matrix.shape
     if _transposed(n, m, right.shape[1]):
-        local_t = right.t().contiguous() @ matrix.t()
+        local_t = _aligned(right.t().contiguous()) @ matrix.t()
         total_t = yield AllReduce(round_name, local_t)
         return local_t.t(), total_t.t()
-    local = matrix @ right
+    local = matrix @ _aligned(right)
     total = yield AllReduce(round_name, local)
     return local, total
