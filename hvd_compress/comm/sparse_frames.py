@@ -67,14 +67,19 @@ def encode_sparse_frame(name: str, rank: int, op: SparseSum) -> bytes:
     return encode_frame(Kind.PUSH, name, 0, 1, 0, rank, op.numel, idx, val, op.value_dtype)
 
 
+def _frames_of(name: str, op: SparseSum | FramesSum) -> list[tuple[str, SparseSum]]:
+    """Each frame's name and sparse sum, in the order :func:`encode_frames` sends them:
+    ``op`` itself named ``name``, or a :class:`FramesSum`'s member ``m`` named ``str(m)``."""
+    if isinstance(op, FramesSum):
+        return [(str(m), member) for m, member in enumerate(op.sums)]
+    return [(name, op)]
+
+
 def encode_frames(name: str, rank: int, op: SparseSum | FramesSum) -> bytes:
     """What rank ``rank`` all-gathers for ``op``: its one frame of a sparse sum named
     ``name`` (:func:`encode_sparse_frame`), or its frames of a :class:`FramesSum`'s
     members back to back, member ``m``'s named ``str(m)``."""
-    if isinstance(op, FramesSum):
-        return b"".join(encode_sparse_frame(str(m), rank, member)
-                        for m, member in enumerate(op.sums))
-    return encode_sparse_frame(name, rank, op)
+    return b"".join(encode_sparse_frame(n, rank, member) for n, member in _frames_of(name, op))
 
 
 def frames_bound(name: str, op: SparseSum | FramesSum) -> int | None:
@@ -82,12 +87,11 @@ def frames_bound(name: str, op: SparseSum | FramesSum) -> int | None:
     (:func:`~hvd_compress.sparse_wire.frame_bound` of each frame), when every rank knows it:
     for a :class:`PairsSum` or a :class:`FramesSum` (every rank's count is this rank's);
     ``None`` for another sparse sum, whose count may differ between ranks."""
-    members = op.sums if isinstance(op, FramesSum) else (op,)
-    if not all(isinstance(member, PairsSum) for member in members):
+    frames = _frames_of(name, op)
+    if not all(isinstance(member, PairsSum) for _, member in frames):
         return None
-    names = [str(m) for m in range(len(members))] if isinstance(op, FramesSum) else [name]
     return sum(frame_bound(n, member.numel, member.indices.numel(), member.value_dtype)
-               for n, member in zip(names, members, strict=True))
+               for n, member in frames)
 
 
 def sum_gathered(op: SparseSum | FramesSum, gathered: np.ndarray
