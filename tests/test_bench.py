@@ -587,3 +587,33 @@ def test_cluster_targets_take_each_scheme_on_its_faster_route() -> None:
                for line in lines)
     assert any(line.startswith("PASS") and "topk:ratio=0.001@ps 0.180 s" in line
                for line in lines)
+
+
+def test_thread_cpu_is_told_apart_by_thread_name() -> None:
+    """A row's ``cpu_threads_s_per_step``: a named thread's CPU goes to its name, not to the
+    main thread's, per step; a thread that has ended is not counted."""
+    import ctypes
+    import threading
+
+    from hvd_compress.bench.cluster_rank import _thread_cpu, thread_cpu_per_step
+
+    spun, release = threading.Event(), threading.Event()
+
+    def busy() -> None:
+        ctypes.CDLL(None).prctl(15, b"hvdc_spin", 0, 0, 0)  # PR_SET_NAME
+        began = time.thread_time()
+        while time.thread_time() - began < 0.3:
+            pass
+        spun.set()
+        release.wait()
+
+    before = _thread_cpu()
+    spinner = threading.Thread(target=busy)
+    spinner.start()
+    spun.wait()
+    seen = thread_cpu_per_step(before, _thread_cpu(), 2)
+    release.set()
+    spinner.join()
+    assert seen["hvdc_spin"] >= 0.14  # 0.3 s over 2 steps, less a clock tick
+    assert seen["main"] < 0.1  # it waited
+    assert "hvdc_spin" not in thread_cpu_per_step(before, _thread_cpu(), 2)

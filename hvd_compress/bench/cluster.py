@@ -521,7 +521,7 @@ def pool_runs(rows: Sequence[Row]) -> list[Row]:
             for key in MEAN_FIELDS:
                 if all(r.get(key) is not None for r in runs):
                     row[key] = sum(r[key] for r in runs) / len(runs)
-            for key in ("phases_s", "exchange_s", "collective_bytes"):
+            for key in ("phases_s", "exchange_s", "collective_bytes", "cpu_threads_s_per_step"):
                 if all(key in r for r in runs):
                     row[key] = _mean_dict([r[key] for r in runs])
             if all("gc" in r for r in runs):

@@ -324,6 +324,36 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def _thread_cpu() -> dict[int, tuple[str, float]]:
+    """CPU time so far of each live thread of this process, by thread id: its name
+    (``/proc``'s ``comm``; the main thread is called ``main``) and its user + system seconds.
+    A thread that ended before the call is not counted."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[int, tuple[str, float]] = {}
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/stat") as f:
+                stat = f.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()  # from field 3 (state) on
+        tid = int(task)
+        out[tid] = ("main" if tid == os.getpid() else name,
+                    (int(fields[11]) + int(fields[12])) / tick)  # utime, stime
+    return out
+
+
+def thread_cpu_per_step(before: dict[int, tuple[str, float]],
+                        after: dict[int, tuple[str, float]], steps: int) -> dict[str, float]:
+    """CPU seconds per step between two :func:`_thread_cpu` snapshots, summed by thread
+    name (``main``, Horovod's and Gloo's threads, ...), busiest first."""
+    spent: dict[str, float] = {}
+    for tid, (name, seconds) in after.items():
+        spent[name] = spent.get(name, 0.0) + seconds - before.get(tid, (name, 0.0))[1]
+    return {name: s / steps for name, s in sorted(spent.items(), key=lambda kv: -kv[1])}
+
+
 PHASES = ("forward", "backward", "step")
 """The parts of a timed step in a row's ``step_phases_s`` (and the keys of ``phases_s``, their
 means): the forward pass, ``loss.backward()`` (where DDP's hooks communicate) and
@@ -411,14 +441,14 @@ def run_config(system: _System, workload: Workload, config: dict[str, Any], step
     step_phases: list[tuple[float, float, float]] = []  # per step, in PHASES order
     exchange: dict[str, float] = {}  # hvd-compress's own breakdown (StepStats.seconds)
     counters0, loopback0 = interface_counters(), interface_counters(LOOPBACK)
-    cpu0 = 0.0
+    cpu0, threads0 = 0.0, _thread_cpu()
     pauses = GCPauses()
     gc.callbacks.append(pauses)
     for step in range(warmup + steps):
         if step == warmup:
             system.barrier(f"{config['scheme']}.{step}")
             counters0, loopback0 = interface_counters(), interface_counters(LOOPBACK)
-            cpu0 = _cpu_seconds()
+            cpu0, threads0 = _cpu_seconds(), _thread_cpu()
             pauses.reset()
         x, y = batches[step % len(batches)]
         start = time.perf_counter()
@@ -441,6 +471,7 @@ def run_config(system: _System, workload: Workload, config: dict[str, Any], step
     sent = interface_counters() - counters0
     loopback = interface_counters(LOOPBACK) - loopback0
     cpu = (_cpu_seconds() - cpu0) / steps
+    threads = thread_cpu_per_step(threads0, _thread_cpu(), steps)
     timed = sorted(times[warmup:])
     agree = system.replicas_agree(model)
     row = {"scheme": config["scheme"], "settings": settings,
@@ -453,6 +484,7 @@ def run_config(system: _System, workload: Workload, config: dict[str, Any], step
            "tx_payload_bytes_per_step": sent.tx_payload_bytes / steps,
            "loopback_tx_bytes_per_step": loopback.tx_bytes / steps,
            "cpu_s_per_step": cpu,
+           "cpu_threads_s_per_step": threads,
            "phases_s": {name: sum(p[i] for p in step_phases[warmup:]) / steps
                         for i, name in enumerate(PHASES)},
            "exchange_s": {part: total / steps for part, total in exchange.items()},
