@@ -84,7 +84,7 @@ from hvd_compress.cost_model import (
     predict,
     send_bytes,
 )
-from hvd_compress.schemes.base import ExchangeContext, Scheme
+from hvd_compress.schemes.base import ExchangeContext, Outcome, Scheme, subtract, write_scaled
 from hvd_compress.schemes.dense import FP16, NoCompression
 
 
@@ -353,11 +353,18 @@ def echo(op: Collective, rank: int, size: int) -> Any:
 
 
 def measure_route(scheme: Scheme, shape: torch.Size, rank: int, size: int,
-                  device: torch.device, repeats: int = 2) -> RouteCost:
+                  device: torch.device, repeats: int = 2, commit: bool = False) -> RouteCost:
     """Run ``scheme``'s exchange on a random tensor of ``shape`` with :func:`echo` answering
     its requests; the fastest of ``repeats`` runs (the first warms caches and allocators).
     The exchange runs at a late step, so warm-up phases (PowerSGD's ``start_iter``) are
-    skipped and the steady state is what is measured."""
+    skipped and the steady state is what is measured.
+
+    ``commit``: also time what the pipeline's commit does with the outcome, which differs
+    by scheme: the averaged aggregate written into a tensor of ``shape`` (a copy for a
+    dense one, a product for PowerSGD's factors, a decode for packed payloads), and, for a
+    scheme with error feedback, its own contribution taken off the residual. The scale
+    model counts these as the route's codec (``bench model``); ``Compression.auto``
+    compares the exchanges alone."""
     gen = torch.Generator(device=device)
     gen.manual_seed(1234 + rank)
     x = torch.randn(shape, generator=gen, device=device)
@@ -376,6 +383,8 @@ def measure_route(scheme: Scheme, shape: torch.Size, rank: int, size: int,
             except StopIteration as done:
                 spent += time.perf_counter() - started
                 state = done.value.state or state
+                if commit:
+                    spent += _commit_seconds(scheme, done.value, x, size)
                 break
             spent += time.perf_counter() - started
             sent += send_bytes(op, size)
@@ -384,6 +393,19 @@ def measure_route(scheme: Scheme, shape: torch.Size, rank: int, size: int,
             result = echo(op, rank, size)
         best = min(best, spent)
     return RouteCost(best, sent, tuple(kinds), tuple(payloads))
+
+
+def _commit_seconds(scheme: Scheme, outcome: Outcome, x: torch.Tensor, size: int) -> float:
+    """Seconds of the pipeline's scheme-dependent commit work on one outcome
+    (:func:`measure_route`'s ``commit``), into buffers written beforehand, as the
+    pipeline's gradients and residuals are (fresh memory would add its page faults)."""
+    out = torch.zeros_like(x)
+    residual = x.clone() if scheme.error_feedback and outcome.sent is not None else None
+    started = time.perf_counter()
+    write_scaled(outcome.aggregate, out, 1.0 / size)
+    if residual is not None:
+        subtract(residual, outcome.sent)
+    return time.perf_counter() - started
 
 
 def probe_link(run: Run, size: int, device: torch.device, probe_seconds: float) -> LinkModel:

@@ -336,3 +336,41 @@ def test_the_compute_floor_is_the_mean_of_the_runs_floor_rows_of_a_model() -> No
     rows, _ = model.check([*floors, row, {**row, "link": "10gbit", "link_bits": 1e10}],
                           base, fitted=False)
     assert [r["compute_s"] for r in rows] == [pytest.approx(0.12)] * 2
+
+
+def test_passes_left_beside_a_measured_codec_are_error_feedbacks_own() -> None:
+    """With the codec measured (its route's commit inside it), the passes are error
+    feedback's ``g + e`` over the tensors the scheme compresses, and nothing for a scheme
+    without error feedback; with a given codec throughput, every tensor's write and the
+    residual's subtraction count as passes too."""
+    copy, scale = 1e10, 2.0  # flat()'s copy throughput
+    cluster = flat(codec_scale=scale)
+    onebit = model.predict_job(model.Job(SHAPES, "onebit"), cluster)
+    compressed = sum(math.prod(SHAPES[n]) for n, r in onebit.routes.items() if r == "scheme")
+    assert 0 < compressed < sum(math.prod(s) for s in SHAPES.values())  # the bias stays dense
+    assert onebit.terms["passes"] == pytest.approx(4 * compressed / copy * scale)
+    assert model.predict_job(model.Job(SHAPES, "qsgd:bits=4"), cluster).terms["passes"] == 0
+    given = model.predict_job(model.Job(SHAPES, "onebit"),
+                              flat(codec_scale=scale, codec_bytes_per_s=1e9))
+    everything = sum(math.prod(s) for s in SHAPES.values())
+    assert given.terms["passes"] == pytest.approx(3 * 4 * everything / copy * scale)
+
+
+def test_measurements_without_the_commit_are_measured_again(tmp_path: Path) -> None:
+    """A profiles file from before the codec held the route's commit (rows without
+    ``commit``) loads nothing; its routes are measured anew."""
+    model.predict_job(model.Job(SHAPES, "onebit"), flat())
+    path = tmp_path / "profiles.json"
+    model.save_profiles(path)
+    rows = json.loads(path.read_text())
+    assert rows and all(row["commit"] for row in rows)
+    for row in rows:
+        del row["commit"]
+    path.write_text(json.dumps(rows))
+    saved = dict(model.PROFILES)
+    model.PROFILES.clear()
+    try:
+        assert model.load_profiles(path) == 0
+        assert model.PROFILES == {}
+    finally:
+        model.PROFILES.update(saved)

@@ -13,11 +13,15 @@ The model, per step (every term from :mod:`hvd_compress.cost_model`)::
 
 * ``compute``: forward, backward and update, given (``Cluster.compute_s``).
 * ``codec``: each tensor's route measured here by :func:`hvd_compress.policy.measure_route`
-  (the same measurement ``Compression.auto`` takes at start-up) at 2 and 4 ranks and
-  extrapolated, ``a + b p``; times ``Cluster.codec_scale`` (the CPU contention of ranks
-  sharing cores), or ``4 n / codec_bytes_per_s`` when a codec throughput is given.
-* ``passes``: the pipeline's own passes over every gradient (one to write the result back,
-  two more for error feedback), ``4 n / copy_bytes_per_s`` each, times ``codec_scale``.
+  (the measurement ``Compression.auto`` takes at start-up, plus the route's commit: the
+  aggregate written back and, with error feedback, the sent part taken off the residual,
+  a product for PowerSGD, a copy for a dense tensor) at 2 and 4 ranks and extrapolated,
+  ``a + b p``; times ``Cluster.codec_scale`` (the CPU contention of ranks sharing cores),
+  or ``4 n / codec_bytes_per_s`` when a codec throughput is given.
+* ``passes``: the pipeline's own passes over the gradients, ``4 n / copy_bytes_per_s``
+  each, times ``codec_scale``: error feedback's ``g + e`` over every tensor the scheme
+  compresses; with a given codec throughput also the write of every result and the
+  residual's subtraction (two passes more), which a measured codec holds.
 * ``transfer``: bytes on the busiest link over its rate: a host's link carries the ring's
   or the server's byte count (:func:`host_bytes`); ``8 (1 + header_share) / rate_bits +
   cpu_s_per_byte`` seconds per byte, the second term the hosts' CPU per byte moved through
@@ -111,7 +115,8 @@ class Cluster:
         codec_scale: factor on codec and pass seconds measured here (ranks per core).
         codec_bytes_per_s: a given codec throughput (float32 bytes in per second per
             rank); replaces the measured codec seconds.
-        copy_bytes_per_s: memory copy throughput for the pipeline's passes.
+        copy_bytes_per_s: throughput of the pipeline's passes (``passes`` in the module
+            notes): float32 bytes of gradient per second.
         compute_s: forward, backward and update seconds per step.
         server_pairs_per_s: pairs a server shard sums per second.
         gather_factor: transfer seconds of all-to-all and all-gather rounds over what the
@@ -230,7 +235,8 @@ class Job:
 class Profile:
     """A route of one shape, measured at 2 and 4 ranks: per round its kind and request
     bytes ``a + b / p`` (an all-gather of chunks shrinks with ``p``), and codec seconds
-    ``c + d p`` (an all-gather's decode grows with ``p``)."""
+    ``c + d p`` (an all-gather's decode grows with ``p``), the route's commit included
+    (``measure_route(..., commit=True)``)."""
 
     kinds: tuple[str, ...]
     payload: tuple[tuple[float, float], ...]
@@ -273,7 +279,8 @@ def profile(spec: str, route: str, shape: tuple[int, ...], repeats: int = 5) -> 
     cpu = torch.device("cpu")
     if math.prod(shape) > BIG:
         repeats = 1
-    two, four = (measure_route(scheme, torch.Size(shape), 0, p, cpu, repeats) for p in (2, 4))
+    two, four = (measure_route(scheme, torch.Size(shape), 0, p, cpu, repeats, commit=True)
+                 for p in (2, 4))
     if two.kinds != four.kinds:
         raise RuntimeError(f"{spec} on {shape}: rounds differ between 2 and 4 ranks "
                            f"({two.kinds} vs {four.kinds}); the model cannot extrapolate")
@@ -286,15 +293,18 @@ def save_profiles(path: Path) -> None:
     """Write :data:`PROFILES` as JSON, so that a check can be rerun on the same codec
     measurements (``--profiles``)."""
     rows = [{"spec": spec, "route": route, "shape": list(shape), "kinds": list(p.kinds),
-             "payload": [list(ab) for ab in p.payload], "codec": list(p.codec)}
+             "payload": [list(ab) for ab in p.payload], "codec": list(p.codec),
+             "commit": True}
             for (spec, route, shape), p in sorted(PROFILES.items(), key=str)]
     Path(path).write_text(json.dumps(rows, indent=1) + "\n")
 
 
 def load_profiles(path: Path) -> int:
     """Add the measurements of a :func:`save_profiles` file to :data:`PROFILES`; returns
-    how many."""
-    rows = json.loads(Path(path).read_text())
+    how many. Rows measured before the codec held the route's commit (no ``commit`` key,
+    files before ``--profiles`` recorded it) are left out: those routes are measured
+    again."""
+    rows = [row for row in json.loads(Path(path).read_text()) if row.get("commit")]
     for row in rows:
         PROFILES[(row["spec"], row["route"], tuple(row["shape"]))] = Profile(
             tuple(row["kinds"]), tuple((float(a), float(b)) for a, b in row["payload"]),
@@ -514,8 +524,13 @@ class Model:
         kinds = step_collectives(costs, routes)
         fused = self._fusion_split(costs, routes)
         numel = sum(math.prod(s) for s in job.tensors.values())
-        count = (1 + 2 * self.error_feedback) * job.pipeline + 2 * (job.element_bytes == 2)
-        passes = count * 4 * numel / c.copy_bytes_per_s * c.codec_scale
+        if c.codec_bytes_per_s:  # a given codec: every write, and the subtraction, pass too
+            passed = (1 + 2 * self.error_feedback) * job.pipeline * numel
+        else:  # a measured codec holds its route's commit: error feedback's g + e remains
+            passed = self.error_feedback * job.pipeline * sum(
+                math.prod(job.tensors[n]) for n, r in routes.items() if r == SCHEME)
+        passed += 2 * (job.element_bytes == 2) * numel
+        passes = 4 * passed / c.copy_bytes_per_s * c.codec_scale
         cycles = step_cycles(costs, routes, job.cycled)
         # the exchange: every route's seconds and a cycle per round and kind (not the
         # per-collective latency of cost_model.predict, which Compression.auto uses)
@@ -1054,11 +1069,10 @@ def _fitted_terms(path: Path) -> dict[str, float]:
 
 def pass_throughput(one_rank: Mapping[str, Any]) -> float:
     """Bytes per second of the pipeline's passes, from a ``bench overhead`` row: our
-    PowerSGD's ``feedback`` and ``commit`` seconds are its three passes (residual added,
-    residual kept, result written) over every float32 gradient."""
-    phases = one_rank["ours_phases_s"]
-    return 3 * 4 * one_rank["parameters"] / (phases["feedback"] + phases["commit"]
-                                              + phases.get("settle", 0.0))
+    PowerSGD's ``feedback`` seconds are error feedback's ``g + e`` over (nearly) every
+    float32 gradient. Not its ``commit``: that holds PowerSGD's two products, which the
+    measured codec counts (:func:`profile`)."""
+    return 4 * one_rank["parameters"] / one_rank["ours_phases_s"]["feedback"]
 
 
 def _run_check(args: Any) -> int:
