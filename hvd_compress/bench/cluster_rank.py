@@ -441,7 +441,8 @@ def run_config(system: _System, workload: Workload, config: dict[str, Any], step
     step_phases: list[tuple[float, float, float]] = []  # per step, in PHASES order
     exchange: dict[str, float] = {}  # hvd-compress's own breakdown (StepStats.seconds)
     counters0, loopback0 = interface_counters(), interface_counters(LOOPBACK)
-    cpu0, threads0 = 0.0, _thread_cpu()
+    cpu0 = 0.0  # both set when the timed steps start
+    threads0: dict[int, tuple[str, float]] = {}
     pauses = GCPauses()
     gc.callbacks.append(pauses)
     for step in range(warmup + steps):
