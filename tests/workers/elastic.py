@@ -16,6 +16,7 @@ import time
 
 import horovod.torch as hvd
 import torch
+from horovod.common.elastic import State
 
 from examples.digits import accuracy, load_split
 from examples.elastic_digits import build, train
@@ -35,10 +36,27 @@ def parse_resize(spec: str) -> dict[int, str]:
             for step, hosts in (item.split("=") for item in spec.split(";") if item)}
 
 
-def after_step(seen: dict, step: int, digests: list[str], rank: int, size: int,
+def await_notification(state: State, step: int, timeout: float = 120.0) -> None:
+    """Block until the driver's hosts-updated notification has reached this worker, so the
+    next commit acts on it. The driver runs the discovery script about once a second, but
+    on a loaded machine (the suite beside other jobs) a fixed sleep was not always enough:
+    the resize once landed a commit late. Horovod queues the notification in the state's
+    ``_host_messages`` (horovod/common/elastic.py); rank 0's queue is what the commit
+    broadcasts."""
+    deadline = time.monotonic() + timeout
+    while state._host_messages.empty():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"step {step}: rewrote the hosts file, but no hosts-updated "
+                               f"notification reached rank 0 within {timeout:.0f} s")
+        time.sleep(0.05)
+
+
+def after_step(seen: dict, state: State, digests: list[str], rank: int, size: int,
                resize: dict[int, str], hosts: str | None) -> None:
     """Record in ``seen`` whether every rank's digest agreed and the world's size; rank 0
-    rewrites the hosts file at the steps of ``resize``."""
+    rewrites the hosts file at the steps of ``resize`` and waits until the driver has
+    noticed."""
+    step = state.step
     seen["checks"] += 1
     if len(set(digests)) != 1:
         seen["mismatches"].append(step)
@@ -47,7 +65,7 @@ def after_step(seen: dict, step: int, digests: list[str], rank: int, size: int,
     if rank == 0 and step in resize and hosts:
         with open(hosts, "w") as f:
             f.write(resize[step])
-        time.sleep(4)  # the driver reads the script every second: notified by the commit
+        await_notification(state, step)
 
 
 def main() -> None:
@@ -78,7 +96,7 @@ def main() -> None:
             if state.step == args.kill_step and host == args.kill_host:
                 os.kill(os.getpid(), signal.SIGKILL)
             return
-        after_step(seen, state.step, hvd.allgather_object(digest(state.model)), hvd.rank(),
+        after_step(seen, state, hvd.allgather_object(digest(state.model)), hvd.rank(),
                    hvd.size(), resize, args.hosts)
 
     resets = train(state, args.steps, hook=hook)

@@ -80,7 +80,7 @@ def main() -> None:
                     total = hvd.allreduce(grad, op=hvd.Sum, name=f"test.given.{key}")
                     sums["given"][key] = sums["given"][key] + total.numpy().astype(np.float64)
             return
-        after_step(seen, state.step, hvd.allgather_object(digest(state)), hvd.rank(),
+        after_step(seen, state, hvd.allgather_object(digest(state)), hvd.rank(),
                    hvd.size(), resize, args.hosts)
 
     resets = train(state, args.steps, hook=hook)
