@@ -41,6 +41,7 @@ turn's process CPU per step is reported.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import tempfile
@@ -60,6 +61,7 @@ from hvd_compress.bench.cluster_rank import (
     settling_steps,
 )
 from hvd_compress.bench.report import Column, Row
+from hvd_compress.native.loader import disabled
 
 SYSTEMS = ("floor", "ddp", "hook", "ours", "alternate")
 OWN_PHASES = ("feedback", "scheme", "fuse", "settle", "commit", "report")
@@ -67,8 +69,10 @@ OWN_PHASES = ("feedback", "scheme", "fuse", "settle", "commit", "report")
 DEFAULT_MODELS = ("mlp", "mlp8m", "mlp-deep", "mlp-narrow", "cnn", "transformer")
 CPU_RATIO = 1.2
 """Target: our own CPU seconds per step at most this times the hook's."""
-ALONE = ("hook", "ours", "alternate", "onebit", "topk")
-"""The exchanges :func:`own_costs` times alone."""
+ALONE = ("hook", "ours", "ours-torch", "alternate", "onebit", "topk")
+"""The exchanges :func:`own_costs` times alone. ``ours-torch`` is ``ours`` with the native
+kernels off (:func:`hvd_compress.native.loader.disabled`): PowerSGD's commit by torch's
+``addmm`` instead of ``lowrank.cpp``, as on a machine where they are not built."""
 OWN_WARMUP = 30
 """Untimed steps of each exchange before :func:`own_costs` times it."""
 TOPK_RATIO = 0.001
@@ -204,10 +208,12 @@ def _exchanges(model: nn.Module, rank: int, start: int) -> dict[str, Callable[[]
         pipeline = Pipeline(_scheme(system, rank, start), HorovodTorchCommunicator(None))
         pipeline.plan([name for name, _ in named], [g.shape for _, g in named])
 
-        def ours(pipeline: Pipeline = pipeline) -> None:
-            for name, gradient in named:
-                pipeline.submit(name, gradient)
-            pipeline.wait(outputs)
+        def ours(pipeline: Pipeline = pipeline, native: bool = system != "ours-torch"
+                 ) -> None:
+            with contextlib.nullcontext() if native else disabled():
+                for name, gradient in named:
+                    pipeline.submit(name, gradient)
+                pipeline.wait(outputs)
 
         steps[system] = ours
     return steps
@@ -304,7 +310,8 @@ def _alone_ratios(alone: dict[str, float]) -> dict[str, float]:
     """Each of our exchanges' CPU alone over the hook's, for those with a hook to match
     (PowerSGD, both forms); none when the hook's was not measured above zero."""
     hook = alone.get("hook", 0.0)
-    return {s: alone[s] / hook for s in ("ours", "alternate") if s in alone and hook > 0}
+    return {s: alone[s] / hook for s in ("ours", "ours-torch", "alternate")
+            if s in alone and hook > 0}
 
 
 def _ms(value: float) -> str:
@@ -326,7 +333,7 @@ COLUMNS = [
     *(Column(f"alone {s} ms", lambda r, s=s: "-" if s not in r["alone_cpu_s"]
              else _ms(r["alone_cpu_s"][s])) for s in ALONE),
     *(Column(f"alone {s}/hook", lambda r, s=s: "-" if s not in r["alone_ratio"]
-             else f"{r['alone_ratio'][s]:.2f}") for s in ("ours", "alternate")),
+             else f"{r['alone_ratio'][s]:.2f}") for s in ("ours", "ours-torch", "alternate")),
 ]
 
 
@@ -354,6 +361,8 @@ def targets(rows: Sequence[Row]) -> list[str]:
                          f"{_ms(cpu)} ms <= {CPU_RATIO} x the hook's "
                          f"{_ms(r['hook_cpu_s'])} ms ({ratio:.2f} x)")
         for system, ratio in r.get("alone_ratio", {}).items():
+            if system == "ours-torch":  # a reference (the commit without the kernels)
+                continue
             what = "" if system == "ours" else " (alternate)"
             lines.append(f"{'PASS' if ratio <= CPU_RATIO else 'FAIL'}  {r['model']}: our "
                          f"exchange alone{what} {_ms(r['alone_cpu_s'][system])} ms <= "

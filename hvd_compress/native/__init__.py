@@ -1,7 +1,7 @@
-"""Native CPU kernels: the packed codecs (``codecs.cpp``) and the parameter server's
-sparse index coding and aggregation (``sparse.cpp``, used through
-:mod:`hvd_compress.native.sparse`, and for a whole round through
-:mod:`hvd_compress.native.round`).
+"""Native CPU kernels: the packed codecs (``codecs.cpp``), PowerSGD's commit
+(``lowrank.cpp``) and the parameter server's sparse index coding and aggregation
+(``sparse.cpp``, used through :mod:`hvd_compress.native.sparse`, and for a whole round
+through :mod:`hvd_compress.native.round`).
 
 Importing this package needs no torch: finding, building and loading the library is
 :mod:`hvd_compress.native.loader` (compiled at install, with a run-time ``g++`` build as a

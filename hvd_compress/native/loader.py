@@ -1,6 +1,7 @@
 """Finding, building and loading the native kernels; numpy and ctypes only (no torch).
 
-The kernels (``codecs.cpp``, ``sparse.cpp``, ``select.cpp`` and ``version.cpp``) are
+The kernels (``codecs.cpp``, ``sparse.cpp``, ``select.cpp``, ``lowrank.cpp`` and
+``version.cpp``) are
 compiled when the package is installed, into the extension file
 ``hvd_compress/native/_kernels*.so`` (see ``setup.py``); :func:`library` loads that file
 with :mod:`ctypes`.
@@ -41,7 +42,7 @@ from hvd_compress.native import cpu
 
 HERE = Path(__file__).parent
 SOURCES = (HERE / "codecs.cpp", HERE / "sparse.cpp", HERE / "select.cpp",
-           HERE / "version.cpp")
+           HERE / "lowrank.cpp", HERE / "version.cpp")
 COMPILE_FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-std=c++17")
 """``-ffp-contract=off``: no fused multiply-adds, so the float32 arithmetic of every code
 is the torch reference's, operation for operation. ``-march`` comes from :func:`march`."""
@@ -83,6 +84,12 @@ _SPARSE_SIGNATURES: dict[str, tuple] = {
     "select_magnitude": (_c_ptr, _c_int64, ctypes.c_float, _c_ptr, _c_int64),  # select.cpp
 }
 """Argument types of the ``sparse.cpp`` (and ``select.cpp``) kernels that return an int64."""
+
+_OTHER_SIGNATURES: dict[str, tuple] = {
+    "lowrank_apply": (_c_ptr, _c_int64, _c_int64, _c_int64, _c_int64, _c_ptr, _c_int64,
+                      _c_ptr, ctypes.c_float, ctypes.c_int, ctypes.c_int),  # lowrank.cpp
+}
+"""Argument types of the other kernels, which return nothing."""
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -201,6 +208,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     for name, argtypes in _SPARSE_SIGNATURES.items():
         fn = getattr(lib, f"hvdc_{name}")
         fn.argtypes, fn.restype = list(argtypes), _c_int64
+    for name, argtypes in _OTHER_SIGNATURES.items():
+        fn = getattr(lib, f"hvdc_{name}")
+        fn.argtypes, fn.restype = list(argtypes), None
     return lib
 
 

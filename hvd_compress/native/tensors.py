@@ -120,3 +120,28 @@ def reduce(kernel: str, payloads: Sequence[torch.Tensor], numel: int, bucket_siz
        len(payloads), None if residual is None else residual.data_ptr(),
        None if encoded is None else encoded.data_ptr(), *options)
     return out
+
+
+LOWRANK_MAX_RANK = 256
+"""The largest rank ``hvdc_lowrank_apply`` takes (``kMaxRank`` in ``lowrank.cpp``)."""
+
+
+def lowrank_apply(out: torch.Tensor, left: torch.Tensor, right: torch.Tensor, scale: float,
+                  subtract: bool) -> bool:
+    """``out = scale * left @ right.T`` (or, ``subtract``, ``out -= left @ right.T``) by
+    ``hvdc_lowrank_apply`` (``lowrank.cpp``: each entry's ``r`` products summed in order,
+    without fused multiply-adds, the same bits on every thread count), ``out`` viewed as
+    ``n x m``. Runs only for a contiguous float32 CPU ``out`` and float32 factors of rank at
+    most :data:`LOWRANK_MAX_RANK` with the kernels :func:`active`; returns whether it ran
+    (the caller then takes torch's ``addmm``)."""
+    n, r = left.shape
+    m = right.shape[0]
+    if not (active(out) and out.dtype == left.dtype == right.dtype == torch.float32
+            and out.is_contiguous() and out.numel() == n * m and left.is_cpu
+            and right.is_cpu and 0 < r <= LOWRANK_MAX_RANK):
+        return False
+    right_t = right.t().contiguous()  # r x m; a no-op for PowerSGD's kept Q
+    library().hvdc_lowrank_apply(left.data_ptr(), n, r, left.stride(0), left.stride(1),
+                                 right_t.data_ptr(), m, out.data_ptr(), scale, int(subtract),
+                                 torch.get_num_threads())
+    return True

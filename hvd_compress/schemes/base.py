@@ -78,7 +78,8 @@ class LowRank:
     shape: torch.Size
 
     def materialize(self) -> torch.Tensor:
-        return (self.left @ self.right.t()).view(self.shape)
+        out = torch.empty(self.shape, dtype=self.left.dtype, device=self.left.device)
+        return self.write(out, 1.0)
 
     def total(self) -> torch.Tensor:
         """The sum of all entries, from the factors: ``sum_k (sum_i L_ik)(sum_j R_jk)``.
@@ -86,18 +87,33 @@ class LowRank:
         return (self.left.sum(0) * self.right.sum(0)).sum()
 
     def write(self, out: torch.Tensor, scale: float) -> torch.Tensor:
-        """``out = scale * self``, in one product when ``out`` is a contiguous tensor of the
-        factors' dtype (``beta=0``: whatever ``out`` held is ignored, NaN included)."""
+        """``out = scale * self``, in one pass when ``out`` is a contiguous tensor of the
+        factors' dtype (whatever ``out`` held is ignored, NaN included): on the CPU by the
+        native kernel (:func:`hvd_compress.native.tensors.lowrank_apply`, several times
+        faster than MKL's rank-``r`` GEMM on large matrices), else one ``addmm``."""
         if out.dtype == self.left.dtype and out.is_contiguous() and out.device == self.left.device:
-            out.view(self.left.shape[0], -1).addmm_(self.left, self.right.t(), beta=0,
-                                                    alpha=scale)
+            if not _lowrank_native(out, self, scale, False):
+                out.view(self.left.shape[0], -1).addmm_(self.left, self.right.t(), beta=0,
+                                                        alpha=scale)
             return out
         return torch.mul(self.materialize(), scale, out=out)
 
     def subtract_from(self, x: torch.Tensor) -> torch.Tensor:
-        """``x -= self`` in one product (``x`` contiguous, the factors' dtype)."""
-        x.view(self.left.shape[0], -1).addmm_(self.left, self.right.t(), alpha=-1)
+        """``x -= self`` in one pass (``x`` contiguous, the factors' dtype), by the same
+        kernel as :meth:`write` where it runs."""
+        if not _lowrank_native(x, self, 1.0, True):
+            x.view(self.left.shape[0], -1).addmm_(self.left, self.right.t(), alpha=-1)
         return x
+
+
+def _lowrank_native(out: torch.Tensor, value: LowRank, scale: float, subtract: bool) -> bool:
+    """:func:`hvd_compress.native.tensors.lowrank_apply` for a CPU ``out`` (imported only
+    then: GPU jobs never load the native library for this)."""
+    if not out.is_cpu:
+        return False
+    from hvd_compress.native.tensors import lowrank_apply
+
+    return lowrank_apply(out, value.left, value.right, scale, subtract)
 
 
 @dataclass(frozen=True)
