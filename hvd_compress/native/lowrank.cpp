@@ -9,11 +9,10 @@
 // multiply-add: the library is built with -ffp-contract=off), and then either
 // out = scale * acc (write) or out = out - acc (subtract). The same bits whatever the thread
 // count (rows are split among threads, each row computed alone) and on every x86-64 CPU,
-// which MKL's rank-r GEMM (torch.addmm) does not promise. It is also faster: on an AMD EPYC,
-// with r of a few columns, the GEMM wrote 3-7 GB/s of output, where this one pass over `out`
-// runs near copy speed (docs/benchmarks.md, "PowerSGD's commit on the CPU"). The scheme's
-// two products with the gradient (B^T M, M Q) stay with MKL: kernels of this kind were no
-// faster there.
+// which MKL's rank-r GEMM (torch.addmm) does not promise. It is also faster: with r of a few
+// columns this one pass over `out` runs near copy speed where the GEMM did not
+// (docs/results/lowrank-commit-48b5da6/README.md). The scheme's two products with the
+// gradient (B^T M, M Q) stay with MKL: kernels of this kind were no faster there.
 //
 // R comes as its transpose, r x m contiguous (PowerSGD keeps Q that way), so every row of
 // out reads r contiguous rows of it, which stay in the L1 cache; L is read with its strides
