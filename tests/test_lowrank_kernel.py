@@ -1,8 +1,9 @@
-"""``hvdc_lowrank_apply`` (hvd_compress/native/lowrank.cpp), PowerSGD's commit on the CPU:
-``LowRank.write`` and ``LowRank.subtract_from`` give, bit for bit, the arithmetic the kernel
-states (each entry's ``r`` products rounded and added in order, then scaled or subtracted),
-whatever the rank, the shape, the left factor's strides and the thread count; and they agree
-with torch's ``addmm`` (the path without the kernels) within float32 rounding."""
+"""The kernels of hvd_compress/native/lowrank.cpp, PowerSGD's CPU arithmetic: the commit
+(``LowRank.write`` and ``LowRank.subtract_from``) and the two products of its rounds
+(``lowrank_right``: ``M Q``; ``lowrank_left``: ``B^T M``) give, bit for bit, the sums in the
+order the file states, whatever the rank, the shape, the factors' strides and the thread
+count; and they agree with torch's products (the path without the kernels) within float32
+rounding."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from hvd_compress.native.loader import disabled, library
-from hvd_compress.native.tensors import lowrank_apply
+from hvd_compress.native.tensors import lowrank_apply, lowrank_left, lowrank_right
 from hvd_compress.schemes.base import LowRank
 
 pytestmark = pytest.mark.skipif(library() is None, reason="native kernels not built")
@@ -100,3 +101,75 @@ def test_other_dtypes_and_strided_outputs_take_torch() -> None:
     strided = torch.empty(30, 20).t()
     value.write(strided, 1.0)  # through materialize: the kernel into a fresh tensor
     assert torch.equal(strided, stated(left, right))
+
+
+def stated_right(matrix: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """``M Q`` summed as ``hvdc_lowrank_right`` states: 16 lanes over the whole groups of
+    16 entries (lane l the entries j % 16 == l, in order), the lanes added in order, then
+    the rest in order."""
+    n, m = matrix.shape
+    whole = m // 16 * 16
+    out = torch.empty(n, right.shape[1])
+    for k in range(right.shape[1]):
+        products = matrix * right[:, k]
+        if whole:
+            groups = products[:, :whole].reshape(n, whole // 16, 16)
+            acc = groups[:, 0]
+            for g in range(1, whole // 16):
+                acc = acc + groups[:, g]
+            total = acc[:, 0]
+            for lane in range(1, 16):
+                total = total + acc[:, lane]
+            rest = range(whole, m)
+        else:
+            total, rest = products[:, 0], range(1, m)
+        for j in rest:
+            total = total + products[:, j]
+        out[:, k] = total
+    return out
+
+
+def stated_left(basis: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+    """``B^T M`` summed over the rows in order, as ``hvdc_lowrank_left`` states."""
+    out = basis[0][:, None] * matrix[0]
+    for i in range(1, matrix.shape[0]):
+        out = out + basis[i][:, None] * matrix[i]
+    return out
+
+
+@pytest.mark.parametrize("r", [1, 2, 3, 4, 8, 9])
+@pytest.mark.parametrize("n,m", [(1, 1), (5, 15), (33, 16), (70, 100), (40, 1031)])
+def test_the_round_products_are_the_stated_sums(r: int, n: int, m: int) -> None:
+    gen = torch.Generator().manual_seed(r * 7 + n + m)
+    matrix = torch.randn(n, m, generator=gen)
+    basis = torch.randn(r, n, generator=gen).t()  # strided, as a factor cut from a buffer
+    right = torch.randn(r, m, generator=gen).t()  # PowerSGD's kept Q
+    out = torch.empty(r, n)
+    assert lowrank_right(out.t(), matrix, right)  # the r x n layout of the P round
+    assert torch.equal(out.t(), stated_right(matrix, right))
+    rows = torch.empty(n, r)
+    assert lowrank_right(rows, matrix, right)
+    assert torch.equal(rows, out.t())
+    left = torch.empty(r, m)
+    assert lowrank_left(left, basis, matrix)
+    assert torch.equal(left, stated_left(basis, matrix))
+
+
+def test_the_round_products_give_the_same_bits_on_any_thread_count() -> None:
+    gen = torch.Generator().manual_seed(9)
+    matrix, basis = torch.randn(700, 1100, generator=gen), torch.randn(700, 4, generator=gen)
+    right = torch.randn(1100, 4, generator=gen)
+    seen = []
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            p, q = torch.empty(700, 4), torch.empty(4, 1100)
+            assert lowrank_right(p, matrix, right) and lowrank_left(q, basis, matrix)
+            seen.append((p, q))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, seen[0][0]) and torch.equal(b, seen[0][1]) for a, b in seen)
+    terms = (matrix.abs().double() @ right.abs().double())
+    assert ((seen[0][0].double() - matrix.double() @ right.double()).abs()
+            <= 1100 * 2**-23 * terms).all()

@@ -88,6 +88,10 @@ _SPARSE_SIGNATURES: dict[str, tuple] = {
 _OTHER_SIGNATURES: dict[str, tuple] = {
     "lowrank_apply": (_c_ptr, _c_int64, _c_int64, _c_int64, _c_int64, _c_ptr, _c_int64,
                       _c_ptr, ctypes.c_float, ctypes.c_int, ctypes.c_int),  # lowrank.cpp
+    "lowrank_right": (_c_ptr, _c_int64, _c_int64, _c_int64, _c_ptr, _c_int64, _c_ptr,
+                      _c_int64, _c_int64, ctypes.c_int),
+    "lowrank_left": (_c_ptr, _c_int64, _c_int64, _c_int64, _c_int64, _c_ptr, _c_int64,
+                     _c_int64, _c_ptr, ctypes.c_int),
 }
 """Argument types of the other kernels, which return nothing."""
 

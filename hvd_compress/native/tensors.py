@@ -123,7 +123,14 @@ def reduce(kernel: str, payloads: Sequence[torch.Tensor], numel: int, bucket_siz
 
 
 LOWRANK_MAX_RANK = 256
-"""The largest rank ``hvdc_lowrank_apply`` takes (``kMaxRank`` in ``lowrank.cpp``)."""
+"""The largest rank the ``lowrank.cpp`` kernels take (``kMaxRank`` there)."""
+
+
+def _lowrank_ready(out: torch.Tensor, *factors: torch.Tensor) -> bool:
+    """Whether the ``lowrank.cpp`` kernels take these tensors: float32 on the CPU with the
+    kernels :func:`active`."""
+    return active(out) and all(t.dtype == torch.float32 and t.is_cpu
+                               for t in (out, *factors))
 
 
 def lowrank_apply(out: torch.Tensor, left: torch.Tensor, right: torch.Tensor, scale: float,
@@ -136,12 +143,44 @@ def lowrank_apply(out: torch.Tensor, left: torch.Tensor, right: torch.Tensor, sc
     (the caller then takes torch's ``addmm``)."""
     n, r = left.shape
     m = right.shape[0]
-    if not (active(out) and out.dtype == left.dtype == right.dtype == torch.float32
-            and out.is_contiguous() and out.numel() == n * m and left.is_cpu
-            and right.is_cpu and 0 < r <= LOWRANK_MAX_RANK):
+    if not (_lowrank_ready(out, left, right) and out.is_contiguous()
+            and out.numel() == n * m and 0 < r <= LOWRANK_MAX_RANK):
         return False
     right_t = right.t().contiguous()  # r x m; a no-op for PowerSGD's kept Q
     library().hvdc_lowrank_apply(left.data_ptr(), n, r, left.stride(0), left.stride(1),
                                  right_t.data_ptr(), m, out.data_ptr(), scale, int(subtract),
                                  torch.get_num_threads())
+    return True
+
+
+def lowrank_right(out: torch.Tensor, matrix: torch.Tensor, right: torch.Tensor) -> bool:
+    """``out = matrix @ right`` (``n x m`` by ``m x r``; ``out`` an ``n x r`` view with any
+    strides, such as the transpose of an ``r x n`` buffer) by ``hvdc_lowrank_right``
+    (``lowrank.cpp``: 16 lanes a row, added in a stated order), for float32 CPU tensors
+    whose ``matrix`` rows are contiguous. Returns whether it ran."""
+    n, m = matrix.shape
+    r = right.shape[1]
+    if not (_lowrank_ready(out, matrix, right) and matrix.stride(1) == 1
+            and tuple(out.shape) == (n, r) and 0 < r <= LOWRANK_MAX_RANK):
+        return False
+    right_t = right.t().contiguous()  # r x m
+    library().hvdc_lowrank_right(matrix.data_ptr(), matrix.stride(0), n, m,
+                                 right_t.data_ptr(), r, out.data_ptr(), out.stride(0),
+                                 out.stride(1), torch.get_num_threads())
+    return True
+
+
+def lowrank_left(out: torch.Tensor, basis: torch.Tensor, matrix: torch.Tensor) -> bool:
+    """``out = basis.T @ matrix`` (``n x r`` by ``n x m``; ``out`` a contiguous ``r x m``
+    tensor) by ``hvdc_lowrank_left`` (``lowrank.cpp``: each sum over the rows in order), for
+    float32 CPU tensors whose ``matrix`` rows are contiguous. Returns whether it ran."""
+    n, m = matrix.shape
+    r = basis.shape[1]
+    if not (_lowrank_ready(out, basis, matrix) and matrix.stride(1) == 1
+            and out.is_contiguous() and tuple(out.shape) == (r, m) and basis.shape[0] == n
+            and n > 0 and 0 < r <= LOWRANK_MAX_RANK):
+        return False
+    library().hvdc_lowrank_left(basis.data_ptr(), n, r, basis.stride(0), basis.stride(1),
+                                matrix.data_ptr(), matrix.stride(0), m, out.data_ptr(),
+                                torch.get_num_threads())
     return True

@@ -132,7 +132,7 @@ class PowerSGD(Scheme):
         q = self._q(state, ctx, m, r, x.device)
         _, p = yield from _reduce_product("P", matrix, q)
         p_hat = torch.linalg.qr(p).Q
-        q_local = (_aligned(p_hat.t()) @ matrix).t()  # M^T P^ (see _reduce_product)
+        q_local = _left_product(p_hat, matrix).t()  # M^T P^ (see _reduce_product)
         q_total = (yield AllReduce("Q", q_local.t())).t()
 
         # Both kept as factors: the pipeline writes P^ Q^T straight into the gradient and
@@ -151,7 +151,7 @@ class PowerSGD(Scheme):
         rows = matrix.shape[0] if left else matrix.shape[1]
         basis = self._basis(key, state, ctx, rows, r, matrix.device)
         if left:
-            local = (_aligned(basis.t()) @ matrix).t()  # M^T B (see _reduce_product)
+            local = _left_product(basis, matrix).t()  # M^T B (see _reduce_product)
             total = (yield AllReduce("Q", local.t())).t()
             aggregate, sent = LowRank(basis, total, shape), LowRank(basis, local, shape)
             kept = {Q_STATE: torch.linalg.qr(total).Q}
@@ -268,11 +268,9 @@ class PowerSGD(Scheme):
         for matrix, right, out, (_, _, transposed) in zip(matrices, rights, stored, keys,
                                                           strict=True):
             if left:  # M^T R as (R^T M)^T, as exchange() computes Q
-                _product_into(out, _aligned(right.t()), matrix)
-            elif transposed:
-                _product_into(out, _aligned(right.t().contiguous()), matrix.t())
+                _left_product(right, matrix, out)
             else:
-                _product_into(out, matrix, _aligned(right))
+                _right_product(right, matrix, transposed, out)
         total = yield AllReduce(round_name, flat)
         return flat, total, layout
 
@@ -317,6 +315,45 @@ def _product_into(out: torch.Tensor, left: torch.Tensor, right: torch.Tensor) ->
         torch.matmul(left, right, out=out)
 
 
+def _left_product(basis: torch.Tensor, matrix: torch.Tensor,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """``B^T M`` (``r x m``) into ``out`` (a fresh tensor if ``None``): on the CPU by the
+    native kernel (:func:`hvd_compress.native.tensors.lowrank_left`, its order of sums
+    stated), else MKL's product through :func:`_aligned` and :func:`_product_into`."""
+    if out is None:
+        out = torch.empty(basis.shape[1], matrix.shape[1], dtype=matrix.dtype,
+                          device=matrix.device)
+    if not (out.is_cpu and _native().lowrank_left(out, basis, matrix)):
+        _product_into(out, _aligned(basis.t()), matrix)
+    return out
+
+
+def _right_product(right: torch.Tensor, matrix: torch.Tensor, transposed: bool,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """``M R`` into ``out`` (a fresh tensor if ``None``), laid out ``r x n`` (its transpose)
+    when ``transposed``, else ``n x r``: on the CPU by the native kernel
+    (:func:`hvd_compress.native.tensors.lowrank_right`), else MKL's product of the layout
+    :func:`_reduce_product` explains."""
+    n, r = matrix.shape[0], right.shape[1]
+    if out is None:
+        out = torch.empty((r, n) if transposed else (n, r), dtype=matrix.dtype,
+                          device=matrix.device)
+    if out.is_cpu and _native().lowrank_right(out.t() if transposed else out, matrix, right):
+        return out
+    if transposed:
+        _product_into(out, _aligned(right.t().contiguous()), matrix.t())
+    else:
+        _product_into(out, matrix, _aligned(right))
+    return out
+
+
+def _native() -> Any:
+    """:mod:`hvd_compress.native.tensors`, imported on first use (CPU tensors only)."""
+    from hvd_compress.native import tensors
+
+    return tensors
+
+
 TRANSPOSED_UP_TO = 1 << 19
 """The most elements of ``M`` for which :func:`_reduce_product` computes ``M R`` at rank
 above 4 as ``(R^T M^T)^T`` (up to rank 4 it always does)."""
@@ -341,13 +378,15 @@ def _reduce_product(round_name: str, matrix: torch.Tensor, right: torch.Tensor
     where it is used.) It is the same product; the request then carries ``P^T``, the same
     elements in another order, chosen from the shapes alone, so every rank sends the same
     layout. ``right`` kept as the transpose of a contiguous matrix (as :class:`PowerSGD`
-    keeps ``Q``) is used without a copy.
+    keeps ``Q``) is used without a copy. On the CPU with the native kernels both layouts
+    are computed by ``lowrank.cpp`` alike (:func:`_right_product`); the layout still
+    follows the shapes, so a rank without the kernels sends the same one.
     """
     n, m = matrix.shape
     if _transposed(n, m, right.shape[1]):
-        local_t = _aligned(right.t().contiguous()) @ matrix.t()
+        local_t = _right_product(right, matrix, True)
         total_t = yield AllReduce(round_name, local_t)
         return local_t.t(), total_t.t()
-    local = matrix @ _aligned(right)
+    local = _right_product(right, matrix, False)
     total = yield AllReduce(round_name, local)
     return local, total
