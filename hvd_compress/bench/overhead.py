@@ -71,8 +71,8 @@ CPU_RATIO = 1.2
 """Target: our own CPU seconds per step at most this times the hook's."""
 ALONE = ("hook", "ours", "ours-torch", "alternate", "onebit", "topk")
 """The exchanges :func:`own_costs` times alone. ``ours-torch`` is ``ours`` with the native
-kernels off (:func:`hvd_compress.native.loader.disabled`): PowerSGD's commit by torch's
-``addmm`` instead of ``lowrank.cpp``, as on a machine where they are not built."""
+kernels off (:func:`hvd_compress.native.loader.disabled`): PowerSGD's products and commit
+by torch (MKL) instead of ``lowrank.cpp``, as on a machine where they are not built."""
 OWN_WARMUP = 30
 """Untimed steps of each exchange before :func:`own_costs` times it."""
 TOPK_RATIO = 0.001
@@ -361,7 +361,7 @@ def targets(rows: Sequence[Row]) -> list[str]:
                          f"{_ms(cpu)} ms <= {CPU_RATIO} x the hook's "
                          f"{_ms(r['hook_cpu_s'])} ms ({ratio:.2f} x)")
         for system, ratio in r.get("alone_ratio", {}).items():
-            if system == "ours-torch":  # a reference (the commit without the kernels)
+            if system == "ours-torch":  # a reference (without the kernels)
                 continue
             what = "" if system == "ours" else " (alternate)"
             lines.append(f"{'PASS' if ratio <= CPU_RATIO else 'FAIL'}  {r['model']}: our "

@@ -1,5 +1,5 @@
-"""Native CPU kernels: the packed codecs (``codecs.cpp``), PowerSGD's commit
-(``lowrank.cpp``) and the parameter server's sparse index coding and aggregation
+"""Native CPU kernels: the packed codecs (``codecs.cpp``), PowerSGD's products and
+commit (``lowrank.cpp``) and the parameter server's sparse index coding and aggregation
 (``sparse.cpp``, used through :mod:`hvd_compress.native.sparse`, and for a whole round
 through :mod:`hvd_compress.native.round`).
 

@@ -1,8 +1,7 @@
 """Finding, building and loading the native kernels; numpy and ctypes only (no torch).
 
 The kernels (``codecs.cpp``, ``sparse.cpp``, ``select.cpp``, ``lowrank.cpp`` and
-``version.cpp``) are
-compiled when the package is installed, into the extension file
+``version.cpp``) are compiled when the package is installed, into the extension file
 ``hvd_compress/native/_kernels*.so`` (see ``setup.py``); :func:`library` loads that file
 with :mod:`ctypes`.
 

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from hvd_compress.comm.ops import Collective
+from hvd_compress.native import tensors as native
 
 if TYPE_CHECKING:
     from hvd_compress.schemes.packed import PackedScheme
@@ -92,7 +93,7 @@ class LowRank:
         native kernel (:func:`hvd_compress.native.tensors.lowrank_apply`, several times
         faster than MKL's rank-``r`` GEMM on large matrices), else one ``addmm``."""
         if out.dtype == self.left.dtype and out.is_contiguous() and out.device == self.left.device:
-            if not _lowrank_native(out, self, scale, False):
+            if not native.lowrank_apply(out, self.left, self.right, scale, False):
                 out.view(self.left.shape[0], -1).addmm_(self.left, self.right.t(), beta=0,
                                                         alpha=scale)
             return out
@@ -101,19 +102,9 @@ class LowRank:
     def subtract_from(self, x: torch.Tensor) -> torch.Tensor:
         """``x -= self`` in one pass (``x`` contiguous, the factors' dtype), by the same
         kernel as :meth:`write` where it runs."""
-        if not _lowrank_native(x, self, 1.0, True):
+        if not native.lowrank_apply(x, self.left, self.right, 1.0, True):
             x.view(self.left.shape[0], -1).addmm_(self.left, self.right.t(), alpha=-1)
         return x
-
-
-def _lowrank_native(out: torch.Tensor, value: LowRank, scale: float, subtract: bool) -> bool:
-    """:func:`hvd_compress.native.tensors.lowrank_apply` for a CPU ``out`` (imported only
-    then: GPU jobs never load the native library for this)."""
-    if not out.is_cpu:
-        return False
-    from hvd_compress.native.tensors import lowrank_apply
-
-    return lowrank_apply(out, value.left, value.right, scale, subtract)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from hvd_compress.comm.ops import AllReduce
+from hvd_compress.native import tensors as native
 from hvd_compress.schemes.base import Exchange, ExchangeContext, LowRank, Outcome, Scheme
 from hvd_compress.schemes.batched import FactorKey, FlatLayout
 from hvd_compress.schemes.warmup import check_start_iter, dense_warmup
@@ -323,7 +324,7 @@ def _left_product(basis: torch.Tensor, matrix: torch.Tensor,
     if out is None:
         out = torch.empty(basis.shape[1], matrix.shape[1], dtype=matrix.dtype,
                           device=matrix.device)
-    if not (out.is_cpu and _native().lowrank_left(out, basis, matrix)):
+    if not native.lowrank_left(out, basis, matrix):
         _product_into(out, _aligned(basis.t()), matrix)
     return out
 
@@ -338,20 +339,13 @@ def _right_product(right: torch.Tensor, matrix: torch.Tensor, transposed: bool,
     if out is None:
         out = torch.empty((r, n) if transposed else (n, r), dtype=matrix.dtype,
                           device=matrix.device)
-    if out.is_cpu and _native().lowrank_right(out.t() if transposed else out, matrix, right):
+    if native.lowrank_right(out.t() if transposed else out, matrix, right):
         return out
     if transposed:
         _product_into(out, _aligned(right.t().contiguous()), matrix.t())
     else:
         _product_into(out, matrix, _aligned(right))
     return out
-
-
-def _native() -> Any:
-    """:mod:`hvd_compress.native.tensors`, imported on first use (CPU tensors only)."""
-    from hvd_compress.native import tensors
-
-    return tensors
 
 
 TRANSPOSED_UP_TO = 1 << 19
