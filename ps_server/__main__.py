@@ -23,6 +23,7 @@ from typing import Any
 
 from hvd_compress import __version__
 from hvd_compress.ps_protocol import TOKEN_ENV
+from ps_server.rounds import HeapKeeper
 from ps_server.service import CHECKPOINT_EVERY, ShardService
 from ps_server.store import MODES, Quorum, ShardStore
 
@@ -265,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     store = ShardStore(args.workers, shard, shards, args.mode, args.deadline,
                        args.max_shard_numel, idle_timeout=args.idle_timeout,
                        push_budget=None if args.max_push_mb is None else
-                       int(args.max_push_mb * 2**20), quorum=args.quorum)
+                       int(args.max_push_mb * 2**20), quorum=args.quorum,
+                       heap=HeapKeeper())
     service = ShardService(store, args.checkpoint_dir, args.checkpoint_every,
                            args.checkpoint_fsync, hide_names=args.metrics_hide_names)
     try:

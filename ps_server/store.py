@@ -38,6 +38,7 @@ from ps_server.identity import Binding, WorkerBindings
 from ps_server.rounds import (
     MODES,
     Finished,
+    HeapKeeper,
     Quorum,
     TensorState,
     close_pushes,
@@ -69,13 +70,15 @@ class ShardStore:
     schedule work) whenever a pull of it may now have an answer.
     ``quorum`` (:class:`~ps_server.rounds.Quorum`, None for all workers) lets a round close
     without every worker; ``partial_rounds`` and ``late_pushes`` count what it did.
+    ``heap`` (:class:`~ps_server.rounds.HeapKeeper`, None to leave glibc's heap as it is:
+    a server process passes one) is told the size of every aggregate frame encoded.
     """
 
     def __init__(self, workers: int, shard: int, shards: int, mode: str = "union",
                  deadline: float = 120.0, max_numel: int = 1 << 28,
                  clock: Callable[[], float] = time.monotonic, durable: bool = False,
                  idle_timeout: float | None = None, push_budget: int | None = None,
-                 quorum: Quorum | None = None) -> None:
+                 quorum: Quorum | None = None, heap: HeapKeeper | None = None) -> None:
         if workers < 1:
             raise ValueError(f"workers must be at least 1, got {workers}")
         if not 0 <= shard < shards:
@@ -91,6 +94,7 @@ class ShardStore:
         self.mode, self.deadline, self.max_numel = mode, deadline, max_numel
         self.clock, self.durable, self.idle_timeout = clock, durable, idle_timeout
         self.push_budget = push_budget
+        self.heap = heap
         self.quorum = Quorum(workers, workers) if quorum is None else quorum
         if self.quorum.workers != workers:
             raise ValueError(f"the quorum is of {self.quorum.workers} workers, the server "
@@ -461,6 +465,8 @@ class ShardStore:
             log.info("session %r expired after %g s idle: freed %d worker binding%s",
                      session, self.idle_timeout, workers, "" if workers == 1 else "s")
         if idle:
+            if self.heap is not None:
+                self.heap.forget(idle)
             release_memory()
 
     def _expire_bindings_locked(self, now: float) -> dict[str, int]:
@@ -550,6 +556,8 @@ class ShardStore:
                 encoded = encode_aggregate(frame.tensor, self.shard, self.shards, last, sender,
                                            state.numel, frame.dtype)
                 last.encoded[frame.dtype] = encoded
+                if self.heap is not None:
+                    self.heap.fit(frame.tensor, len(encoded), self.workers)
             return encoded
         if frame.round == state.round:
             if state.opened is None:

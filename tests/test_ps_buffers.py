@@ -115,3 +115,71 @@ def test_a_malformed_section_decoded_into_the_pool_gives_the_usual_error() -> No
     with pytest.raises(ValueError) as pooled:
         decode_frame(bytes(data), arrays=PushBuffers().lend)
     assert str(pooled.value) == str(plain.value)
+
+
+class FakeLibc:
+    """Records glibc's mallopt calls (parameter, value) and returns ``result``."""
+
+    def __init__(self, result: int = 1) -> None:
+        self.calls: list[tuple[int, int]] = []
+        self.result = result
+
+    def mallopt(self, param: int, value: int) -> int:
+        self.calls.append((param, value))
+        return self.result
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
+
+
+def _round_of(service: ShardService, tensor: str, pairs: int, workers: int) -> bytes:
+    """Every worker pushes ``pairs`` pairs of ``tensor`` (round 0); worker 0's pull."""
+    numel = 1 << 22
+    for w in range(workers):
+        idx = np.arange(w, numel, numel // pairs, dtype=np.int64)[:pairs]
+        service.push(encode_frame(Kind.PUSH, tensor, 0, 1, 0, w, numel, idx,
+                                  np.ones(pairs, np.float32)), "t")
+    reply = service.pull(encode_frame(Kind.PULL, tensor, 0, 1, 0, 0, numel), "t", 1.0)
+    assert reply is not None
+    return reply
+
+
+def test_the_heap_keeps_what_the_rounds_replies_take() -> None:
+    from ps_server.rounds import HeapKeeper
+
+    libc = FakeLibc()
+    heap = HeapKeeper(libc)
+    service = ShardService(ShardStore(2, 0, 1, heap=heap))
+    small = _round_of(service, "small", 1_000, 2)  # a few KB: glibc's own policy stays
+    assert len(small) < HeapKeeper.MIN_REPLY and libc.calls == []
+    big = _round_of(service, "big", 60_000, 2)
+    assert len(big) >= HeapKeeper.MIN_REPLY
+    assert libc.calls == [(M_MMAP_THRESHOLD, HeapKeeper.MMAP_THRESHOLD),
+                          (M_TRIM_THRESHOLD, 2 * 2 * len(big))]
+    service.pull(encode_frame(Kind.PULL, "big", 0, 1, 0, 1, 1 << 22), "t", 1.0)
+    assert len(libc.calls) == 2  # the same round's frame: encoded once, noted once
+    other = _round_of(service, "other", 60_000, 2)  # a step's replies add up
+    assert libc.calls[-1] == (M_TRIM_THRESHOLD, 2 * 2 * (len(big) + len(other)))
+    heap.forget(["big", "other"])
+    assert heap.fit("next", HeapKeeper.MIN_REPLY, 2) == 2 * 2 * (len(big) + len(other))
+    assert heap.fit("huge", HeapKeeper.TRIM_MAX, 8) == HeapKeeper.TRIM_MAX  # bounded
+
+
+def test_refused_pushes_and_a_failing_mallopt_leave_the_heap_alone() -> None:
+    from ps_server.rounds import HeapKeeper
+    from ps_server.store import RequestError
+
+    libc = FakeLibc()
+    service = ShardService(ShardStore(2, 0, 1, heap=HeapKeeper(libc)))
+    big = encode_frame(Kind.PUSH, "w", 0, 1, 0, 0, 1 << 22,
+                       np.arange(0, 1 << 22, 64, dtype=np.int64),
+                       np.ones((1 << 22) // 64, np.float32))
+    with pytest.raises(RequestError):
+        service.push(big[:-1], "t")  # truncated: refused before anything is held
+    with pytest.raises(RequestError):
+        service.push(big.replace(b"\x00" * 8, b"\x07" * 8, 1), "t")
+    assert libc.calls == []
+    failing = HeapKeeper(FakeLibc(result=0))
+    assert failing.fit("w", 1 << 20, 2) == 0  # not set: a later reply tries again
+    assert len(failing.libc.calls) == 1
+    assert HeapKeeper(object()).fit("w", 1 << 20, 2) == 0  # no mallopt (not glibc)

@@ -173,12 +173,24 @@ def _peak_rss_mb(pid: int) -> float:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs /proc")
-def test_unauthenticated_messages_are_refused_unread(start, tmp_path):
+@pytest.mark.parametrize("rounds_first", [0, 3])
+def test_unauthenticated_messages_are_refused_unread(start, tmp_path, rounds_first):
     """Eight 100 MB pushes without a token, at once: refused, and the server's peak RSS
-    grows by far less than one of them (the body is never read)."""
+    grows by far less than one of them (the body is never read). Also after rounds of
+    3 MB replies, whose pages the server's heap then keeps (``HeapKeeper``)."""
     token = tmp_path / "token"
     token.write_text("s3cret")
     server = start("--workers", "1", "--token-file", str(token), "--max-message-mb", "256")
+    numel = 1 << 22
+    client = PSClient(server.address, 0, token="s3cret", workers=1)
+    try:
+        for r in range(rounds_first):
+            idx = torch.arange(r % 8, numel, 8)
+            agg_idx, _ = client.finish(client.start("big", r, numel, idx,
+                                                    torch.ones(idx.numel())))
+            assert agg_idx.numel() == idx.numel()
+    finally:
+        client.close()
     before = _peak_rss_mb(server.proc.pid)
     big = bytes(100 << 20)
 

@@ -17,14 +17,18 @@ import threading
 from collections.abc import Sequence
 
 from ps_server.grpc_transport import serve
+from ps_server.rounds import HeapKeeper
 from ps_server.service import ACCEPTED
 
 
 class NullHandler:
-    """Answers pushes ``accepted`` and pulls with ``reply_bytes`` zero bytes."""
+    """Answers pushes ``accepted`` and pulls with ``reply_bytes`` zero bytes; its heap keeps
+    the pages of ``workers`` pulls' replies as the real server's does
+    (:class:`~ps_server.rounds.HeapKeeper`), so both map pages alike."""
 
-    def __init__(self, reply_bytes: int) -> None:
+    def __init__(self, reply_bytes: int, workers: int = 1) -> None:
         self.reply = bytes(reply_bytes)
+        HeapKeeper().fit("null", reply_bytes, workers)
 
     def push(self, data: bytes, peer: str) -> bytes:
         return ACCEPTED
@@ -38,9 +42,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--reply-bytes", type=int, required=True,
                         help="size of every pull's answer")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="pulls a round answers (sizes the heap it keeps)")
     parser.add_argument("--max-message-mb", type=int, default=512)
     args = parser.parse_args(argv)
-    server, port = serve(NullHandler(args.reply_bytes), "127.0.0.1:0", 600.0,
+    server, port = serve(NullHandler(args.reply_bytes, args.workers), "127.0.0.1:0", 600.0,
                          max_message_bytes=args.max_message_mb << 20)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -312,7 +312,8 @@ def measure_grpc(shards: int, workers: int, numel: int, density: float, rounds: 
     pushes, pulls = make_frames(workers, shards, numel, density, 1 + rounds)
     if transport_only:
         commands = [["hvd_compress.bench.null_server", "--reply-bytes",
-                     str(aggregate_nbytes(pushes, 1, s, mode))] for s in range(shards)]
+                     str(aggregate_nbytes(pushes, 1, s, mode)), "--workers", str(workers)]
+                    for s in range(shards)]
     else:
         commands = [["ps_server", "--bind", "127.0.0.1:0", "--workers", str(workers),
                      "--shard", f"{s}/{shards}", "--deadline", "600", "--mode", mode,
