@@ -292,16 +292,16 @@ class HeapKeeper:
     copies it once per pull into memory of its own; the pushes' bytes come the same way.
     By default glibc gives the top of its heap back once those are freed (beyond its trim
     threshold, about twice the largest block it freed from ``mmap``), so every round faults
-    the same pages in again: with 8 workers of ``bench ps`` (6.5 MB replies) 4,000-6,000
-    faults a round on an AMD EPYC. Here, once a reply of :data:`MIN_REPLY` bytes or more
-    was encoded, blocks below :data:`MMAP_THRESHOLD` come from the heap, and the heap keeps
-    up to ``2 * pulls * sum(last reply of each tensor)`` free bytes (a step's replies and
-    as much again for its pushes), at most :data:`TRIM_MAX`.
+    the same pages in again. Here, once a reply of :data:`MIN_REPLY` bytes or more was
+    encoded, blocks below :data:`MMAP_THRESHOLD` come from the heap, and the heap keeps up
+    to ``2 * pulls * sum(last reply of each tensor)`` free bytes (a step's replies and as
+    much again for its pushes), at most :data:`TRIM_MAX`.
 
     Only rounds raise the thresholds, that is pushes that passed authentication and every
     check, and only to what those rounds used: the heap never grows past its own peak
     use, it only keeps it. An idle server's tensors expire and :func:`release_memory` gives
-    the pages back. docs/benchmarks.md ("Kept heap pages") has the figures.
+    the pages back. Faults and throughput before and after:
+    docs/results/ps-heap-a797017/README.md.
     """
 
     MIN_REPLY = 128 << 10
@@ -312,6 +312,7 @@ class HeapKeeper:
     def __init__(self, libc: Any = None) -> None:
         self.libc = _libc if libc is None else libc
         self.replies: dict[str, int] = {}
+        self.total = 0  # sum(self.replies.values()), kept as replies come and go
         self.trim = 0
 
     def fit(self, tensor: str, reply_bytes: int, pulls: int) -> int:
@@ -319,8 +320,9 @@ class HeapKeeper:
         threshold now set (0 while none is)."""
         if reply_bytes < self.MIN_REPLY and not self.trim:
             return 0
+        self.total += reply_bytes - self.replies.get(tensor, 0)
         self.replies[tensor] = reply_bytes
-        trim = min(2 * pulls * sum(self.replies.values()), self.TRIM_MAX)
+        trim = min(2 * pulls * self.total, self.TRIM_MAX)
         if trim > self.trim and self._set(trim):
             self.trim = trim
         return self.trim
@@ -329,7 +331,7 @@ class HeapKeeper:
         """Expired tensors no longer count towards the threshold (it is not lowered: the
         expiry's :func:`release_memory` gives the free pages back)."""
         for name in tensors:
-            self.replies.pop(name, None)
+            self.total -= self.replies.pop(name, 0)
 
     def _set(self, trim: int) -> bool:
         if self.libc is None or not hasattr(self.libc, "mallopt"):

@@ -11,8 +11,9 @@ import pytest
 from hvd_compress.native import available
 from hvd_compress.sparse_wire import Kind, crc32, decode_frame, encode_frame
 from ps_server.buffers import GRANULE, MIN_BYTES, TRIM_EVERY, PushBuffers
+from ps_server.rounds import HeapKeeper
 from ps_server.service import ShardService
-from ps_server.store import ShardStore
+from ps_server.store import RequestError, ShardStore
 
 
 def test_small_arrays_come_from_numpy() -> None:
@@ -145,8 +146,6 @@ def _round_of(service: ShardService, tensor: str, pairs: int, workers: int) -> b
 
 
 def test_the_heap_keeps_what_the_rounds_replies_take() -> None:
-    from ps_server.rounds import HeapKeeper
-
     libc = FakeLibc()
     heap = HeapKeeper(libc)
     service = ShardService(ShardStore(2, 0, 1, heap=heap))
@@ -166,8 +165,6 @@ def test_the_heap_keeps_what_the_rounds_replies_take() -> None:
 
 
 def test_refused_pushes_and_a_failing_mallopt_leave_the_heap_alone() -> None:
-    from ps_server.rounds import HeapKeeper
-    from ps_server.store import RequestError
 
     libc = FakeLibc()
     service = ShardService(ShardStore(2, 0, 1, heap=HeapKeeper(libc)))
@@ -177,7 +174,7 @@ def test_refused_pushes_and_a_failing_mallopt_leave_the_heap_alone() -> None:
     with pytest.raises(RequestError):
         service.push(big[:-1], "t")  # truncated: refused before anything is held
     with pytest.raises(RequestError):
-        service.push(big.replace(b"\x00" * 8, b"\x07" * 8, 1), "t")
+        service.push(big.replace(b"\x00" * 8, b"\x07" * 8, 1), "t")  # a CRC mismatch
     assert libc.calls == []
     failing = HeapKeeper(FakeLibc(result=0))
     assert failing.fit("w", 1 << 20, 2) == 0  # not set: a later reply tries again
