@@ -498,6 +498,7 @@ def test_cluster_bench_hosts_of_two_ranks_keep_their_own_traffic_off_the_link(
         assert dense_bytes <= row["tx_bytes_per_step"] < 2 * dense_bytes, row["system"]
         if row["scheme"] == "none@host":  # the in-host sum goes through shared memory
             assert row["loopback_tx_bytes_per_step"] < dense_bytes / 10, row["system"]
+            assert row["in_host"] == "shm"  # recorded for the scale model's check
         else:
             assert row["loopback_tx_bytes_per_step"] >= dense_bytes / 2, row["system"]
         assert row["expected_tx_bytes"] is None  # per rank, not per host link

@@ -242,6 +242,33 @@ def test_two_level_powersgd_sums_its_factors_inside_the_host_not_the_gradient() 
     assert onebit.in_host_bytes(onebit.costs(), onebit.predict().routes) == pytest.approx(dense)
 
 
+def test_the_in_host_stage_through_shared_memory_is_memory_passes_without_a_cycle() -> None:
+    """``intra_shm``: two-level's in-host bytes cost ``SHM_PASSES`` passes each at the
+    pass throughput times ``codec_scale`` (not ``intra_bits``), and the ``rounds`` route's
+    in-host collectives pay no Horovod cycle; a flat ring is priced as before. ``--check``
+    reads the route from the run: a two-level row that recorded ``peers host``."""
+    shapes = {"w": (512, 256), "v": (256, 256), "b": (64,)}
+    tcp = model.Cluster(hosts=2, per_host=2, copy_bytes_per_s=1e10, codec_scale=2.0,
+                        intra_bits=1e9, cycle_s=1e-2)
+    shm = dataclasses.replace(tcp, intra_shm=True)
+    assert shm.in_host_s_per_byte == pytest.approx(model.SHM_PASSES * 2.0 / 1e10)
+    for spec in ("onebit", "powersgd:rank=4"):
+        job = model.Job(shapes, spec, two_level=True)
+        over_tcp, over_shm = model.Model(job, tcp), model.Model(job, shm)
+        a, b = over_tcp.predict(), over_shm.predict()
+        moved = over_shm.in_host_bytes(over_shm.costs(), b.routes)
+        assert b.terms["intra"] == pytest.approx(moved * shm.in_host_s_per_byte)
+        assert a.terms["intra"] == pytest.approx(moved * 8 / 1e9)
+        cycles = 2 * tcp.cycle_s * cost_model.step_cycles(over_tcp.costs(), a.routes)
+        saved = cycles if over_shm.split == "rounds" else 0.0
+        assert a.terms["collectives"] - b.terms["collectives"] == pytest.approx(saved)
+    flat_job = model.Job(shapes, "onebit")
+    assert model.predict_job(flat_job, shm).step_s == model.predict_job(flat_job, tcp).step_s
+    assert model.ran_shm([{"exchange_s": {"wait host": 0.1, "peers host": 0.01}}])
+    assert model.ran_shm([{"scheme": "powersgd:rank=4@host", "in_host": "shm"}])
+    assert not model.ran_shm([{"exchange_s": {"wait host": 0.1}}, {"in_host": "horovod"}])
+
+
 def test_the_two_level_route_follows_linear_rounds_not_the_scheme_name(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The route is read from the scheme's ``linear_rounds`` (and ``sliceable``), as

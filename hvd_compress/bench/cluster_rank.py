@@ -404,6 +404,11 @@ def _stats(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
            "collective_bytes": dict(stats.collective_bytes),
            "collectives": stats.collectives}
     pipeline = getattr(optimizer, "_pipeline", None)
+    local = getattr(pipeline, "local", None)
+    if local is not None:  # two-level: how the ranks of a host met (the scale model's check)
+        from hvd_compress.comm.shm import ShmHostCommunicator
+
+        out["in_host"] = "shm" if isinstance(local, ShmHostCommunicator) else "horovod"
     decision = getattr(pipeline, "auto_decision", None)
     if decision is not None:  # Compression.auto: what it chose, from what
         out["auto"] = {"routes": dict(collections.Counter(decision.routes.values())),

@@ -41,12 +41,16 @@ takes for the scheme (:func:`two_level_split`), with ``W`` hosts of ``L`` ranks:
 * ``rounds`` (a scheme with ``linear_rounds``: PowerSGD): the flat algorithm (codec as
   flat, over ``W L`` ranks), each all-reduce of ``b`` bytes (the factors, and the tensors
   the policy sends dense) done in two levels: an in-host reduce-scatter and all-gather,
-  ``2 (L - 1) / L * b`` bytes per rank at ``intra_bits`` plus a cycle and ``L - 1``
-  ``intra_latency_s`` hops each, and a cross-host all-reduce of this local rank's ``b / L``
-  among ``W`` hosts, the ``L`` local ranks sharing the host link: ``2 (W - 1) / W * b`` on
-  it, ``2 (W - 1)`` hops.
+  ``2 (L - 1) / L * b`` bytes per rank at the in-host rate plus a cycle (none through
+  shared memory) and ``L - 1`` ``intra_latency_s`` hops each, and a cross-host all-reduce
+  of this local rank's ``b / L`` among ``W`` hosts, the ``L`` local ranks sharing the host
+  link: ``2 (W - 1) / W * b`` on it, ``2 (W - 1)`` hops.
+
+The in-host rate: ``intra_bits``, or through shared memory (``Cluster.intra_shm``, what
+two-level uses on x86-64 hosts) :data:`SHM_PASSES` memory passes per byte at the pipeline's
+pass throughput, times ``codec_scale``: CPU work on the cores that compute.
 * ``slices`` (a ``sliceable`` scheme): ranks of a host reduce-scatter the dense gradient
-  over their own link (``2 (L - 1) / L * 4 n`` bytes per rank at ``intra_bits``), each
+  over their own link (``2 (L - 1) / L * 4 n`` bytes per rank at the in-host rate), each
   compresses its ``1 / L`` slice (rows of a matrix) and exchanges it with its peers on the
   other hosts, sharing the host's link, then the host all-gathers.
 * ``tensors`` (any other scheme, and PowerSGD run with ``split``, its route before
@@ -56,6 +60,7 @@ takes for the scheme (:func:`two_level_split`), with ``W`` hosts of ``L`` ranks:
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
@@ -71,6 +76,7 @@ import torch
 
 from hvd_compress import Compression
 from hvd_compress.bench.report import Column, field, markdown_table, optional_field
+from hvd_compress.comm.two_level import HOST_ROUND
 from hvd_compress.cost_model import (
     ALLREDUCE,
     ALLTOALL,
@@ -92,6 +98,11 @@ from hvd_compress.schemes.base import Scheme
 TCP_HEADER_SHARE = 66 / 1448
 """Ethernet (14), IP (20) and TCP with timestamps (32) bytes per 1448-byte segment."""
 
+SHM_PASSES = 2
+"""Passes over each byte a rank sends through shared memory inside its host: its write into
+its segment and the peer's copy out (the in-host sum of a reduce-scatter is done as the copy
+runs, :meth:`~hvd_compress.comm.shm.ShmHostCommunicator.wait_sum`)."""
+
 ROUTES = ("native", "allgather", "ps")
 SPLITS = ("rounds", "slices", "tensors")
 """Two-level routes (:func:`two_level_split`; module docstring)."""
@@ -108,6 +119,12 @@ class Cluster:
         intra_bits: the link between ranks of one host, bits per second (0: unlimited).
         intra_latency_s: one-way latency of a hop between ranks of one host (the in-host
             collectives of two-level's ``rounds`` route).
+        intra_shm: two-level's in-host stage goes through shared memory
+            (:mod:`hvd_compress.comm.shm`, the default on x86-64) instead of Horovod's
+            collectives: no cycle, and each byte a rank sends inside the host costs
+            :data:`SHM_PASSES` passes (written to its segment, copied out by the peer) at
+            ``copy_bytes_per_s`` times ``codec_scale``, on the cores that compute, instead
+            of ``intra_bits``.
         cycle_s: fixed cost per round and kind of collective (Horovod's cycle time; 0 for
             DDP or NCCL; :func:`hvd_compress.cost_model.step_cycles`).
         header_share: protocol bytes per payload byte on the host link.
@@ -135,6 +152,7 @@ class Cluster:
     latency_s: float = 0.0
     intra_bits: float = 0.0
     intra_latency_s: float = 0.0
+    intra_shm: bool = False
     cycle_s: float = 0.0
     header_share: float = 0.0
     cpu_s_per_byte: float = 0.0
@@ -171,7 +189,17 @@ class Cluster:
 
     @property
     def intra_s_per_byte(self) -> float:
+        """Seconds per byte a rank sends inside its host: a flat ring's edges there at
+        ``intra_bits``."""
         return 8 / self.intra_bits if self.intra_bits > 0 else 0.0
+
+    @property
+    def in_host_s_per_byte(self) -> float:
+        """Seconds per byte a rank sends in two-level's in-host stage: through shared
+        memory (``intra_shm``) or at ``intra_bits``."""
+        if self.intra_shm:
+            return SHM_PASSES * self.codec_scale / self.copy_bytes_per_s
+        return self.intra_s_per_byte
 
 
 @dataclass(frozen=True)
@@ -561,7 +589,8 @@ class Model:
         c = self.cluster
         if not self.rounds:
             return 0.0
-        return 2 * (c.cycle_s * rounds
+        cycle = 0.0 if c.intra_shm else c.cycle_s  # shared memory: no Horovod negotiation
+        return 2 * (cycle * rounds
                     + c.intra_latency_s * (c.per_host - 1) * (len(kinds) + len(fused)))
 
     def in_host_bytes(self, costs: Mapping[str, Mapping[str, RouteCost]],
@@ -595,15 +624,17 @@ class Model:
 
     def _intra_seconds(self, costs: Mapping[str, Mapping[str, RouteCost]],
                        routes: Mapping[str, str]) -> float:
-        """Two-level: :meth:`in_host_bytes` at the intra rate (``rounds``: the requests';
-        else the dense gradient's); flat: a ring's edges inside a host carry one rank's
-        bytes at the intra rate, counted where that takes longer than the host link's
-        share (the edges work at once)."""
+        """Two-level: :meth:`in_host_bytes` at :attr:`Cluster.in_host_s_per_byte`
+        (``rounds``: the requests'; else the dense gradient's); flat: a ring's edges
+        inside a host carry one rank's bytes at the intra rate, counted where that takes
+        longer than the host link's share (the edges work at once)."""
         c = self.cluster
-        if c.per_host == 1 or c.intra_s_per_byte == 0:
+        if c.per_host == 1:
             return 0.0
         if self.job.two_level:
-            return self.in_host_bytes(costs, routes) * c.intra_s_per_byte
+            return self.in_host_bytes(costs, routes) * c.in_host_s_per_byte
+        if c.intra_s_per_byte == 0:
+            return 0.0
         inside = sum(self.rank_bytes[(n, r)] for n, r in routes.items()) * c.intra_s_per_byte
         between = sum(self.true_bytes[(n, r)] for n, r in routes.items()) * c.wire_s_per_byte
         return max(inside - between, 0.0)
@@ -973,6 +1004,11 @@ def add_parser(commands: Any) -> None:
                    help="one-way latency per hop between hosts, microseconds (default 5)")
     p.add_argument("--intra-gbit", type=float, default=0.0,
                    help="link between the GPUs of a host, Gbit/s (default 0: unlimited)")
+    p.add_argument("--host-shm", action=argparse.BooleanOptionalAction,
+                   help="two-level's in-host stage through shared memory (no cycle; "
+                        "memory passes on the cores that compute, not --intra-gbit); with "
+                        "--check the default is what the run recorded (its two-level rows' "
+                        "'peers host' phase), else off")
     p.add_argument("--intra-latency-us", type=float, default=0.0,
                    help="one-way latency per hop between the GPUs of a host, microseconds "
                         "(two-level PowerSGD's in-host collectives; default 0)")
@@ -1043,6 +1079,7 @@ def _base(args: Any, measure_copy: bool = True) -> Cluster:
     return Cluster(hosts=args.hosts, per_host=args.per_host, rate_bits=args.rate_gbit * 1e9,
                    latency_s=args.latency_us * 1e-6, intra_bits=args.intra_gbit * 1e9,
                    intra_latency_s=args.intra_latency_us * 1e-6,
+                   intra_shm=bool(args.host_shm),
                    cycle_s=args.cycle_ms / 1e3, codec_scale=args.codec_scale,
                    codec_bytes_per_s=args.codec_gbps * 1e9 if args.codec_gbps else None,
                    copy_bytes_per_s=copy, compute_s=args.compute_s, overlap=args.overlap)
@@ -1075,8 +1112,19 @@ def pass_throughput(one_rank: Mapping[str, Any]) -> float:
     return 4 * one_rank["parameters"] / one_rank["ours_phases_s"]["feedback"]
 
 
+def ran_shm(rows: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether a ``bench cluster`` run's two-level rows met inside their hosts through
+    shared memory: a row's ``in_host`` says so, or (rows from before it was recorded) a
+    dense host sum's ``peers host`` wait, which the pipeline records only there
+    (:meth:`hvd_compress.hierarchy.HierarchicalPipeline.wait`). The route is the same for
+    every row of a run (``$HVD_COMPRESS_HOST_SHM``)."""
+    return any(r.get("in_host") == "shm" or f"peers {HOST_ROUND}" in (r.get("exchange_s") or {})
+               for r in rows)
+
+
 def _run_check(args: Any) -> int:
     rows = json.loads(args.check.read_text())
+    shm = ran_shm(rows) if args.host_shm is None else args.host_shm
     overhead = args.overhead or Path("docs/results/overhead/overhead.json")
     one_rank = {o["model"]: o for o in json.loads(overhead.read_text())}
     models = {r["model"] for r in rows if "step_s" in r and r.get("system") != "floor"}
@@ -1094,7 +1142,7 @@ def _run_check(args: Any) -> int:
         base = dataclasses.replace(
             _base(args, measure_copy=False), header_share=TCP_HEADER_SHARE, copy_bytes_per_s=(
                 args.copy_gbps * 1e9 if args.copy_gbps else pass_throughput(o)),
-            compute_s=o["step_s"]["floor"] * contention, latency_s=0.0,
+            compute_s=o["step_s"]["floor"] * contention, latency_s=0.0, intra_shm=shm,
             **{"codec_scale": contention, **given})
         mine = [r for r in rows if r.get("model") == name]
         hook_s = o["hook_wall_s"] * contention
