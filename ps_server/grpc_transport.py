@@ -20,7 +20,8 @@ worker of a session bound to another process is refused (``PERMISSION_DENIED``, 
 :mod:`ps_server.store`), so an impersonating push never reaches a round. A refused
 call is answered by a streaming handler that never reads the request, so an
 unauthenticated client cannot make the server buffer its message; the refusal is logged
-with the peer's address. Message sizes are capped both ways.
+with the peer's address. Message sizes are capped both ways, and what a stream may send
+before it is read is fixed (:data:`RECEIVE_WINDOW_BYTES`).
 
 Health (``grpc.health.v1``): ``SERVING``, and ``NOT_SERVING`` while the server's checkpoint
 writes fail (:attr:`ShardService.failing`); pushes and pulls are then refused with
@@ -93,6 +94,17 @@ def call_identity(metadata: Any) -> tuple[str, int, bytes] | None:
             except ValueError as err:
                 raise RequestError(str(err)) from None
     return None
+
+
+RECEIVE_WINDOW_BYTES = 1 << 20
+"""What a stream may send the server before the server reads it (HTTP/2 flow control).
+gRPC's default tunes it to the bandwidth-delay product it measures (BDP probing), and
+then buffers megabytes per stream whether or not the call is ever read: 8 refused
+100 MB pushes at once took 5-65 MB of the server's memory. Fixed at 1 MB (probing off),
+they take under 2 MB, and one stream still fills 25 Gbit/s at a 300 us round trip
+(1 MB per round trip); a worker's pushes are one stream per tensor, side by side.
+Replies are not limited by it: their window is the client's. Figures:
+docs/results/ps-window-WINDOW_SHA/README.md."""
 
 
 class _Gate(grpc.aio.ServerInterceptor):
@@ -303,7 +315,8 @@ async def _start(service: FrameHandler, bind: str, pull_timeout: float, token: s
     }
     options = [("grpc.max_receive_message_length", max_message_bytes),
                ("grpc.max_send_message_length", max_message_bytes),
-               ("grpc.so_reuseport", 0)]
+               ("grpc.so_reuseport", 0), ("grpc.http2.bdp_probe", 0),
+               ("grpc.http2.lookahead_bytes", RECEIVE_WINDOW_BYTES)]
     server = grpc.aio.server(interceptors=[_Gate(token, service)], options=options)
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(GRPC_SERVICE, handlers),))
