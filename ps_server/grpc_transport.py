@@ -104,7 +104,7 @@ then buffers megabytes per stream whether or not the call is ever read: 8 refuse
 they take under 2 MB, and one stream still fills 25 Gbit/s at a 300 us round trip
 (1 MB per round trip); a worker's pushes are one stream per tensor, side by side.
 Replies are not limited by it: their window is the client's. Figures:
-docs/results/ps-window-WINDOW_SHA/README.md."""
+docs/results/ps-window-33e0495/README.md."""
 
 
 class _Gate(grpc.aio.ServerInterceptor):

@@ -176,8 +176,10 @@ def _peak_rss_mb(pid: int) -> float:
 @pytest.mark.parametrize("rounds_first", [0, 3])
 def test_unauthenticated_messages_are_refused_unread(start, tmp_path, rounds_first):
     """Eight 100 MB pushes without a token, at once: refused, and the server's peak RSS
-    grows by far less than one of them (the body is never read). Also after rounds of
-    3 MB replies, whose pages the server's heap then keeps (``HeapKeeper``)."""
+    grows by far less than one of them (the body is never read, and gRPC buffers at most
+    the server's 1 MB receive window of each stream: 0-4.3 MB measured, 5-65 MB with
+    gRPC's tuned windows). Also after rounds of 3 MB replies, whose pages the server's
+    heap then keeps (``HeapKeeper``)."""
     token = tmp_path / "token"
     token.write_text("s3cret")
     server = start("--workers", "1", "--token-file", str(token), "--max-message-mb", "256")
@@ -208,7 +210,7 @@ def test_unauthenticated_messages_are_refused_unread(start, tmp_path, rounds_fir
     assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 8
     grown = _peak_rss_mb(server.proc.pid) - before
     print(f"server peak RSS grew {grown:.1f} MB for 8 x 100 MB unauthenticated pushes")
-    assert grown < 50, grown
+    assert grown < 20, grown  # 8 streams x RECEIVE_WINDOW_BYTES, with room
     server.wait_for(r"WARNING refused a call from ipv4:127\.0\.0\.1:\d+: missing or wrong "
                     "token")
 
