@@ -269,6 +269,36 @@ def test_the_in_host_stage_through_shared_memory_is_memory_passes_without_a_cycl
     assert not model.ran_shm([{"exchange_s": {"wait host": 0.1}}, {"in_host": "horovod"}])
 
 
+def test_check_prices_the_in_host_stage_by_the_route_the_run_recorded(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench model --check`` of a run whose two-level row recorded ``in_host: shm``
+    prices that stage as shared memory and says so; ``--no-host-shm --intra-gbit`` prices
+    it as that link instead (a slower one: a longer step)."""
+    row = {"system": "hvd-compress", "scheme": "onebit@host", "link": "100mbit",
+           "link_bits": 1e8, "ranks": 4, "hosts": 2, "ranks_per_host": 2, "model": "tiny",
+           "step_s": 0.05, "in_host": "shm", "settings": {"HOROVOD_CYCLE_TIME": "10"}}
+    floor = {**row, "system": "floor", "scheme": "none", "step_s": 0.01}
+    run = tmp_path / "cluster.json"
+    run.write_text(json.dumps([row, floor]))
+    overhead = tmp_path / "overhead.json"
+    overhead.write_text(json.dumps([{"model": "tiny", "step_s": {"floor": 0.005},
+                                     "hook_wall_s": 0.01, "parameters": 10_000,
+                                     "ours_phases_s": {"feedback": 1e-5}}]))
+    common = ["model", "--check", str(run), "--overhead", str(overhead), "--no-fit",
+              "--profiles", str(tmp_path / "profiles.json")]
+    predicted = []
+    for extra in ([], ["--no-host-shm", "--intra-gbit", "0.01"]):
+        out = tmp_path / f"check{len(extra)}.json"
+        assert main([*common, *extra, "--json", str(out)]) == 0
+        checked = json.loads(out.read_text())
+        assert checked["parameters"]["tiny"]["intra_shm"] == (not extra)
+        predicted.append(checked["rows"][0]["predicted_s"])
+    printed = capsys.readouterr().out
+    assert "in-host stage: shared memory (the run's)" in printed
+    assert "in-host stage: 0.01 Gbit/s" in printed
+    assert predicted[1] > predicted[0]
+
+
 def test_the_two_level_route_follows_linear_rounds_not_the_scheme_name(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The route is read from the scheme's ``linear_rounds`` (and ``sliceable``), as

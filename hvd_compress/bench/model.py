@@ -1157,9 +1157,15 @@ def _run_check(args: Any) -> int:
     fits = [] if args.no_fit or given else [list(f) for f in FITS]
     named = ", ".join(f"{n} on {s} {sc} {lk}" for n, s, sc, lk in fits) or "nothing"
     unchecked = f" ({skipped} not checked: route not recorded)" if skipped else ""
+    inside = ""
+    if any(r.get("split") for r in out):  # two-level rows: say how their in-host stage was priced
+        how = "the run's" if args.host_shm is None else "--host-shm"
+        inside = (f"; in-host stage: shared memory ({how})" if shm else
+                  f"; in-host stage: {args.intra_gbit:g} Gbit/s" if args.intra_gbit else
+                  "; in-host stage: free (no --intra-gbit)")
     text = "\n".join([markdown_table(out, CHECK_COLUMNS), "",
                       f"{within} of {len(checked)} rows within 20% (worst {worst * 100:.1f}%)"
-                      f"{unchecked}; fitted: {named}"])
+                      f"{unchecked}; fitted: {named}{inside}"])
     _write(args, {"rows": out, "parameters": fitted, "fits": fits,
                   "source": str(args.check)}, text)
     return 0
