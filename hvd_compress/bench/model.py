@@ -45,10 +45,6 @@ takes for the scheme (:func:`two_level_split`), with ``W`` hosts of ``L`` ranks:
   shared memory) and ``L - 1`` ``intra_latency_s`` hops each, and a cross-host all-reduce
   of this local rank's ``b / L`` among ``W`` hosts, the ``L`` local ranks sharing the host
   link: ``2 (W - 1) / W * b`` on it, ``2 (W - 1)`` hops.
-
-The in-host rate: ``intra_bits``, or through shared memory (``Cluster.intra_shm``, what
-two-level uses on x86-64 hosts) :data:`SHM_PASSES` memory passes per byte at the pipeline's
-pass throughput, times ``codec_scale``: CPU work on the cores that compute.
 * ``slices`` (a ``sliceable`` scheme): ranks of a host reduce-scatter the dense gradient
   over their own link (``2 (L - 1) / L * 4 n`` bytes per rank at the in-host rate), each
   compresses its ``1 / L`` slice (rows of a matrix) and exchanges it with its peers on the
@@ -56,6 +52,10 @@ pass throughput, times ``codec_scale``: CPU work on the cores that compute.
 * ``tensors`` (any other scheme, and PowerSGD run with ``split``, its route before
   ``linear_rounds``): the same dense sum inside the host, each tensor coded whole; modelled
   as one coder per host (the host link carries each tensor's payload once).
+
+The in-host rate: ``intra_bits``, or through shared memory (``Cluster.intra_shm``, what
+two-level uses on x86-64 hosts) :data:`SHM_PASSES` memory passes per byte at the pipeline's
+pass throughput, times ``codec_scale``: CPU work on the cores that compute.
 """
 
 from __future__ import annotations
@@ -1007,8 +1007,8 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--host-shm", action=argparse.BooleanOptionalAction,
                    help="two-level's in-host stage through shared memory (no cycle; "
                         "memory passes on the cores that compute, not --intra-gbit); with "
-                        "--check the default is what the run recorded (its two-level rows' "
-                        "'peers host' phase), else off")
+                        "--check the default is what the run recorded (a row's in_host, or "
+                        "an older row's 'peers host' wait), else off")
     p.add_argument("--intra-latency-us", type=float, default=0.0,
                    help="one-way latency per hop between the GPUs of a host, microseconds "
                         "(two-level PowerSGD's in-host collectives; default 0)")
