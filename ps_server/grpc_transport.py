@@ -99,11 +99,11 @@ def call_identity(metadata: Any) -> tuple[str, int, bytes] | None:
 RECEIVE_WINDOW_BYTES = 1 << 20
 """What a stream may send the server before the server reads it (HTTP/2 flow control).
 gRPC's default tunes it to the bandwidth-delay product it measures (BDP probing), and
-then buffers megabytes per stream whether or not the call is ever read: 8 refused
-100 MB pushes at once took 5-65 MB of the server's memory. Fixed at 1 MB (probing off),
-they take under 2 MB, and one stream still fills 25 Gbit/s at a 300 us round trip
-(1 MB per round trip); a worker's pushes are one stream per tensor, side by side.
-Replies are not limited by it: their window is the client's. Figures:
+then buffers megabytes per stream whether or not the call is ever read, refused calls
+included. Fixed here (probing off), a refused call buffers at most about this much, and
+one stream still carries 1 MB per round trip (25 Gbit/s at 300 us); a worker's pushes
+are one stream per tensor, side by side. Replies are not limited by it: their window is
+the client's. Memory and throughput before and after:
 docs/results/ps-window-33e0495/README.md."""
 
 

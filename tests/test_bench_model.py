@@ -246,7 +246,7 @@ def test_the_in_host_stage_through_shared_memory_is_memory_passes_without_a_cycl
     """``intra_shm``: two-level's in-host bytes cost ``SHM_PASSES`` passes each at the
     pass throughput times ``codec_scale`` (not ``intra_bits``), and the ``rounds`` route's
     in-host collectives pay no Horovod cycle; a flat ring is priced as before. ``--check``
-    reads the route from the run: a two-level row that recorded ``peers host``."""
+    reads the route from the run: a row's ``in_host``, or an older row's ``peers host``."""
     shapes = {"w": (512, 256), "v": (256, 256), "b": (64,)}
     tcp = model.Cluster(hosts=2, per_host=2, copy_bytes_per_s=1e10, codec_scale=2.0,
                         intra_bits=1e9, cycle_s=1e-2)
