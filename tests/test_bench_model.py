@@ -171,6 +171,40 @@ def test_server_transfer_is_the_shard_link_carrying_every_push_and_pull() -> Non
     assert pred.host_bytes == pytest.approx(push, rel=0.1)  # a worker sends its push
 
 
+def test_on_shared_cores_a_server_rounds_transfer_hides_under_the_ranks_cpu() -> None:
+    """Ranks sharing cores (``cores``): the server rounds' transfer runs while ranks
+    compute, up to the ranks' CPU times ``1 - 1 / contention``; with a processor per rank
+    (``cores`` 0, or as many as ranks) and on a route without a server nothing changes."""
+    shapes = {"w": (256, 256), "v": (128, 256), "b": (64,)}
+    server = model.Job(shapes, "topk:ratio=0.01", route="ps")
+    gather = model.Job(shapes, "topk:ratio=0.01")
+    with pytest.raises(ValueError, match="cores"):
+        flat(4, cores=-1)
+    for rate, compute in ((1e6, 0.05), (1e6, 0.5), (1e9, 0.05)):
+        own = flat(4, rate_bits=rate, compute_s=compute, codec_scale=2.0)
+        for dedicated in (own, dataclasses.replace(own, cores=4)):
+            assert dedicated.contention == 1
+            assert model.predict_job(server, dedicated).terms["server_overlap"] == 0
+        shared = dataclasses.replace(own, cores=2)
+        assert shared.contention == 2
+        alone, sharing = model.Model(server, own), model.Model(server, shared)
+        a, b = alone.predict(), sharing.predict()
+        link = alone._link()
+        served = sum(alone.server_sent[(n, r)] for n, r in a.routes.items())
+        summing = sum(alone.summing[(n, r)] for n, r in a.routes.items())
+        assert served > 0 and summing > 0
+        cpu = compute + a.terms["passes"] + a.terms["codec"] - summing
+        hidden = min(served * link.seconds_per_byte, cpu / 2)
+        assert b.terms["server_overlap"] == pytest.approx(hidden)
+        assert b.step_s == pytest.approx(a.step_s - hidden)
+        assert b.step_s >= cpu  # never less than the ranks' CPU on the shared cores
+        assert model.predict_job(gather, shared).step_s == \
+            model.predict_job(gather, own).step_s
+    # a slow link: the CPU bounds what hides; a fast one: the whole transfer hides
+    slow = model.predict_job(server, flat(4, rate_bits=1e6, compute_s=0.05, cores=2))
+    assert slow.terms["server_overlap"] < slow.terms["transfer"]
+
+
 def test_saved_codec_measurements_give_the_same_prediction(tmp_path: Path) -> None:
     job = model.Job(SHAPES, "onebit")
     before = model.predict_job(job, flat()).step_s

@@ -56,6 +56,17 @@ takes for the scheme (:func:`two_level_split`), with ``W`` hosts of ``L`` ranks:
 The in-host rate: ``intra_bits``, or through shared memory (``Cluster.intra_shm``, what
 two-level uses on x86-64 hosts) :data:`SHM_PASSES` memory passes per byte at the pipeline's
 pass throughput, times ``codec_scale``: CPU work on the cores that compute.
+
+Ranks sharing cores (``Cluster.cores``, the emulated cluster: ``W L`` ranks on one
+machine's cores, ``contention`` ranks per core). Every term above is on the step's path,
+one after the other, as on a cluster where each rank has its own processor: a collective
+ends on every rank at once, and a rank that waits for it leaves its processor idle. A server
+round's pulls leave the shard's link one after another, so the workers served first go on
+computing while the last still wait; on shared cores that computing is done while the link
+sends, and the step is shorter. The model takes off the server rounds' transfer, at most
+the ranks' CPU seconds (``compute``, ``passes``, ``codec`` without the server's summing,
+and the in-host stage through shared memory) times ``1 - 1 / contention``: the part of a
+rank's CPU time that, on shared cores, is the other ranks' turn (``server_overlap``).
 """
 
 from __future__ import annotations
@@ -144,6 +155,10 @@ class Cluster:
             path (its fusion buffer and averaging), added to ``cpu_s_per_byte`` for its rows.
         overlap: the hosts' CPU work per byte runs while the link sends (a collective then
             takes the longer of its wire time and its CPU time); else one after the other.
+        cores: processors that every rank of the cluster shares (the emulated cluster: all
+            its ranks on one machine's cores); 0 (default): each rank has its own, as on a
+            GPU cluster. With more ranks than cores, part of a server round's transfer runs
+            while ranks compute (module docstring, "Ranks sharing cores").
     """
 
     hosts: int
@@ -165,6 +180,7 @@ class Cluster:
     reduce_s_per_byte: float = 0.0
     stock_s_per_byte: float = 0.0
     overlap: bool = False
+    cores: float = 0.0
 
     def __post_init__(self) -> None:
         if self.hosts < 1 or self.per_host < 1:
@@ -172,10 +188,18 @@ class Cluster:
                              f"{self.per_host}")
         if self.rate_bits <= 0:
             raise ValueError(f"rate_bits must be > 0, got {self.rate_bits}")
+        if self.cores < 0:
+            raise ValueError(f"cores must be >= 0 (0: a processor per rank), got {self.cores}")
 
     @property
     def ranks(self) -> int:
         return self.hosts * self.per_host
+
+    @property
+    def contention(self) -> float:
+        """Ranks per core where the ranks share ``cores`` (at least 1); 1 where each rank
+        has its own processor."""
+        return max(self.ranks / self.cores, 1.0) if self.cores > 0 else 1.0
 
     @property
     def wire_s_per_byte(self) -> float:
@@ -448,6 +472,10 @@ class Model:
         self.error_feedback = bool(inner.error_feedback)
         self.true_bytes: dict[tuple[str, str], float] = {}
         self.rank_bytes: dict[tuple[str, str], float] = {}
+        # per (tensor, route): bytes of its server rounds on the busiest link, and the
+        # server's summing seconds (CPU of the server, not of the ranks)
+        self.server_sent: dict[tuple[str, str], float] = {}
+        self.summing: dict[tuple[str, str], float] = {}
 
     # participants of the compressed exchange and the tensor each one codes
     def _peers(self) -> int:
@@ -481,7 +509,7 @@ class Model:
         sent, kinds, payloads = 0.0, [], list(prof.payloads(coding))
         if _route_scheme(job.scheme, route).name == "none":
             payloads = [b * job.element_bytes / 4 for b in payloads]
-        true = ring = 0.0
+        true = ring = served = summed = 0.0
         # rounds: each local rank all-reduces 1 / L of every request across the hosts
         across = 1 / c.per_host if self.rounds else 1.0
         for what, full in zip(prof.kinds, payloads, strict=True):
@@ -489,8 +517,10 @@ class Model:
             if what == SPARSE and job.route == "ps":
                 busiest, summing = self._server_round(payload, shape, peers)
                 sent += sharing * busiest
+                served += sharing * busiest
                 true += sharing * (1 if job.two_level else c.per_host) * payload
                 codec += summing
+                summed += summing
                 kinds.append(SERVER)
                 continue
             per_host = 1 if job.two_level and c.per_host > 1 else c.per_host
@@ -503,6 +533,8 @@ class Model:
             kinds.append(what)
         self.true_bytes[(name, route)] = true
         self.rank_bytes[(name, route)] = ring
+        self.server_sent[(name, route)] = served
+        self.summing[(name, route)] = summed
         return RouteCost(codec, sent, tuple(kinds), tuple(payloads))
 
     def _server_round(self, push: float, shape: tuple[int, ...],
@@ -576,10 +608,25 @@ class Model:
         wire = terms["transfer"]
         cpu = sent * c.cpu_s_per_byte if c.overlap else 0.0
         terms["cpu_beyond_wire"] = max(cpu - wire, 0.0)
+        terms["server_overlap"] = self._server_overlap(routes, terms, link)
         step = (c.compute_s + passes + exchange + hop + inside + intra
-                + terms["cpu_beyond_wire"])
+                + terms["cpu_beyond_wire"] - terms["server_overlap"])
         count = (len(kinds) + len(fused)) * (3 if self.rounds else 1)
         return Prediction(step, terms, sent, count, routes)
+
+    def _server_overlap(self, routes: Mapping[str, str], terms: Mapping[str, float],
+                        link: LinkModel) -> float:
+        """Seconds of the server rounds' transfer that run while ranks compute, on ranks
+        that share cores (module docstring, "Ranks sharing cores"): the transfer, at most
+        the ranks' CPU seconds times ``1 - 1 / contention``."""
+        c = self.cluster
+        if c.contention <= 1:
+            return 0.0
+        served = sum(self.server_sent[(n, r)] for n, r in routes.items())
+        summing = sum(self.summing[(n, r)] for n, r in routes.items())
+        cpu = terms["compute"] + terms["passes"] + terms["codec"] - summing + (
+            terms["intra"] if c.intra_shm else 0.0)  # shared memory: passes on the cores
+        return min(served * link.seconds_per_byte, cpu * (1 - 1 / c.contention))
 
     def _in_host_collectives(self, rounds: int, kinds: Sequence[str],
                              fused: Sequence[str]) -> float:
@@ -1041,7 +1088,9 @@ def add_parser(commands: Any) -> None:
                    help="with --check: a bench overhead run (its compute floor, and DDP's "
                         "hook against our PowerSGD); default docs/results/overhead")
     p.add_argument("--cores", type=int, default=2,
-                   help="with --check: the cores the emulated hosts shared (default 2)")
+                   help="with --check: the cores the emulated hosts shared (default 2): "
+                        "the floor's and codecs' contention, and how much of a server "
+                        "round's transfer runs while ranks compute")
     p.add_argument("--no-fit", action="store_true",
                    help="with --check: no fitted terms (codec seconds times the cores' "
                         "contention, nothing else): what the plain model predicts")
@@ -1143,6 +1192,7 @@ def _run_check(args: Any) -> int:
             _base(args, measure_copy=False), header_share=TCP_HEADER_SHARE, copy_bytes_per_s=(
                 args.copy_gbps * 1e9 if args.copy_gbps else pass_throughput(o)),
             compute_s=o["step_s"]["floor"] * contention, latency_s=0.0, intra_shm=shm,
+            cores=args.cores,
             **{"codec_scale": contention, **given})
         mine = [r for r in rows if r.get("model") == name]
         hook_s = o["hook_wall_s"] * contention
