@@ -9,7 +9,7 @@ against the emulated cluster and the table for 8-1024 GPUs: docs/scale-model.md.
 The model, per step (every term from :mod:`hvd_compress.cost_model`)::
 
     step = compute + passes + sum over tensors of codec + sum over collectives of
-           (cycle + hops * latency + transfer)
+           (cycle + hops * latency + transfer) - server_overlap (ranks sharing cores)
 
 * ``compute``: forward, backward and update, given (``Cluster.compute_s``).
 * ``codec``: each tensor's route measured here by :func:`hvd_compress.policy.measure_route`
