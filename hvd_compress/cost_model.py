@@ -160,20 +160,17 @@ def step_cycles(costs: Mapping[str, Mapping[str, RouteCost]], routes: Mapping[st
     """Negotiation cycles a step of these routes takes: one per distinct (round, kind),
     sparse all-gathers included (the requests of one round and kind are ready together and
     Horovod's background loop starts them all in one cycle, fused or not: measured in
-    ``docs/results/model/check-cycles-915bfdb``), plus one per server round of each tensor
-    (a parameter server has no cycle to share). Only kinds in ``cycled`` go through
+    ``docs/results/model/check-cycles-915bfdb``). Only kinds in ``cycled`` go through
     Horovod: with ``collectives="gloo"`` every collective runs on a Gloo group (top-k's
-    sums as frames in slots of a size every rank knows) and only server rounds pay a
-    cycle."""
+    sums as frames in slots of a size every rank knows). Server rounds wait for no cycle:
+    a worker pushes and pulls on its own (at a 100 ms cycle, top-k through the server on a
+    Gloo group took as long as at 10 ms: docs/results/server-cycle-61efecc)."""
     cycles: set[tuple[int, str]] = set()
-    alone = 0
     for name, route in routes.items():
         for i, what in enumerate(costs[name][route].kinds):
-            if what == SERVER:
-                alone += 1
-            elif what in cycled:
+            if what != SERVER and what in cycled:
                 cycles.add((i, what))
-    return len(cycles) + alone
+    return len(cycles)
 
 
 def collectives(costs: Mapping[str, Mapping[str, RouteCost]], routes: Mapping[str, str]) -> int:

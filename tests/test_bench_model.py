@@ -118,6 +118,21 @@ def test_fit_recovers_the_parameters_that_made_the_rows() -> None:
     assert fitted.gather_factor == pytest.approx(1.4, rel=0.05)
     assert fitted.stock_s_per_byte == pytest.approx(3e-9, rel=0.05)
     assert max(abs(r["error"]) for r in checked) < 0.02
+    assert fitted.server_round_s == 0  # the run has no server row: left as given
+
+    # a server row: its round's fixed cost is fitted on it with the other terms given
+    served = dataclasses.replace(truth, server_round_s=4e-3)
+    ps_rows = []
+    for link, bits in (("100mbit", 1e8), ("10gbit", 1e10)):
+        row = {"system": "hvd-compress", "scheme": "topk:ratio=0.001@gloo@ps", "link": link,
+               "link_bits": bits, "ranks": 4, "model": "tiny",
+               "settings": {"HOROVOD_CYCLE_TIME": "100"}}
+        job, cluster = model.row_case(row, tensors, served, 0.1)
+        ps_rows.append({**row, "step_s": model.predict_job(job, cluster).step_s})
+    checked, fitted = model.check(ps_rows, truth, fitted=False, refit=("server_round_s",))
+    assert fitted.server_round_s == pytest.approx(4e-3, rel=0.01)
+    assert [r["fitted_here"] for r in checked] == [False, True]
+    assert max(abs(r["error"]) for r in checked) < 1e-6
 
 
 def test_gpt_tensors_have_about_the_parameters_asked() -> None:
@@ -376,7 +391,8 @@ def test_a_two_level_powersgd_row_is_checked_by_the_route_it_recorded() -> None:
 def test_a_round_and_kind_of_collectives_costs_one_cycle_fused_or_not() -> None:
     """Horovod starts every request that is ready in one cycle: the top-k all-gathers of
     one round (never fused) take one cycle between them, the dense all-reduce of the same
-    round another; a server round costs a cycle per tensor (a server has no cycle)."""
+    round another. A server round waits for no cycle: it costs ``server_round_s`` per
+    tensor instead."""
     shapes = {f"w{i}": (256, 256) for i in range(5)} | {"b": (256,)}
     cycle = 1e-2
     job = model.Job(shapes, "topk:ratio=0.01")
@@ -388,9 +404,12 @@ def test_a_round_and_kind_of_collectives_costs_one_cycle_fused_or_not() -> None:
     assert cost_model.step_cycles(costs, routes) == 2
     assert cost_model.collectives(costs, routes) == 6  # Compression.auto's count
     ps = dataclasses.replace(job, route="ps")
-    served = model.predict_job(ps, flat(cycle_s=cycle)).step_s - model.predict_job(
+    cycled = model.predict_job(ps, flat(cycle_s=cycle)).step_s - model.predict_job(
         ps, flat()).step_s
-    assert served == pytest.approx((5 + 1) * cycle)  # five server rounds, one all-reduce
+    assert cycled == pytest.approx(cycle)  # the all-reduce's; the five server rounds none
+    served = model.predict_job(ps, flat(server_round_s=cycle))
+    assert served.terms["server_rounds"] == pytest.approx(5 * cycle)
+    assert served.step_s - model.predict_job(ps, flat()).step_s == pytest.approx(5 * cycle)
 
 
 def test_on_gloo_collectives_no_collective_pays_horovods_cycle() -> None:

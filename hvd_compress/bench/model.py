@@ -9,7 +9,8 @@ against the emulated cluster and the table for 8-1024 GPUs: docs/scale-model.md.
 The model, per step (every term from :mod:`hvd_compress.cost_model`)::
 
     step = compute + passes + sum over tensors of codec + sum over collectives of
-           (cycle + hops * latency + transfer) - server_overlap (ranks sharing cores)
+           (cycle + hops * latency + transfer) + server_round_s per server round
+           - server_overlap (ranks sharing cores)
 
 * ``compute``: forward, backward and update, given (``Cluster.compute_s``).
 * ``codec``: each tensor's route measured here by :func:`hvd_compress.policy.measure_route`
@@ -32,7 +33,8 @@ The model, per step (every term from :mod:`hvd_compress.cost_model`)::
 * ``cycle``: a fixed cost per round and kind of collective (Horovod's negotiation cycle:
   the requests of one round and kind are ready together and start in one cycle, fused or
   not, so a round's further buckets and its unfused sparse all-gathers add their hops only;
-  :func:`hvd_compress.cost_model.step_cycles`), ``hops``: see
+  :func:`hvd_compress.cost_model.step_cycles`; a server round waits for no cycle, it costs
+  ``Cluster.server_round_s``), ``hops``: see
   :func:`hvd_compress.cost_model.hops`.
 
 Two-level (``hierarchy="host"``), the route :func:`hvd_compress.hierarchy.two_level_pipeline`
@@ -77,7 +79,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -155,6 +157,10 @@ class Cluster:
             path (its fusion buffer and averaging), added to ``cpu_s_per_byte`` for its rows.
         overlap: the hosts' CPU work per byte runs while the link sends (a collective then
             takes the longer of its wire time and its CPU time); else one after the other.
+        server_round_s: fixed seconds of each server round of a tensor beyond its bytes and
+            hops: its push and pull calls' own handling on the worker and the server (on the
+            emulated cluster, also their turns on the shared cores); 0 by default. A server
+            round waits for no Horovod cycle.
         cores: processors that every rank of the cluster shares (the emulated cluster: all
             its ranks on one machine's cores); 0 (default): each rank has its own, as on a
             GPU cluster. With more ranks than cores, part of a server round's transfer runs
@@ -180,6 +186,7 @@ class Cluster:
     reduce_s_per_byte: float = 0.0
     stock_s_per_byte: float = 0.0
     overlap: bool = False
+    server_round_s: float = 0.0
     cores: float = 0.0
 
     def __post_init__(self) -> None:
@@ -592,10 +599,12 @@ class Model:
         passed += 2 * (job.element_bytes == 2) * numel
         passes = 4 * passed / c.copy_bytes_per_s * c.codec_scale
         cycles = step_cycles(costs, routes, job.cycled)
-        # the exchange: every route's seconds and a cycle per round and kind (not the
-        # per-collective latency of cost_model.predict, which Compression.auto uses)
+        # the exchange: every route's seconds, a cycle per round and kind (not the
+        # per-collective latency of cost_model.predict, which Compression.auto uses), and
+        # each server round's own fixed cost
+        served = sum(costs[n][r].kinds.count(SERVER) for n, r in routes.items())
         exchange = sum(costs[n][r].seconds(link) for n, r in routes.items()) + \
-            c.cycle_s * cycles
+            c.cycle_s * cycles + c.server_round_s * served
         hop = c.latency_s * sum(hops(k, self._peers()) for k in kinds + fused)
         intra = self._intra_seconds(costs, routes)
         inside = self._in_host_collectives(cycles, kinds, fused)
@@ -603,7 +612,8 @@ class Model:
                  "codec": sum(costs[n][r].compute for n, r in routes.items()),
                  "transfer": sum(costs[n][r].send_bytes for n, r in routes.items())
                  * link.seconds_per_byte,
-                 "collectives": c.cycle_s * cycles + hop + inside, "intra": intra}
+                 "collectives": c.cycle_s * cycles + hop + inside, "intra": intra,
+                 "server_rounds": c.server_round_s * served}
         sent = sum(self.true_bytes[(n, r)] for n, r in routes.items())
         wire = terms["transfer"]
         cpu = sent * c.cpu_s_per_byte if c.overlap else 0.0
@@ -832,9 +842,14 @@ FITS: tuple[tuple[str, str, str, str], ...] = (
     ("gather_factor", "hvd-compress", "fp16", "100mbit"),
     ("stock_s_per_byte", "horovod-mpi", "none", "10gbit"),
     ("reduce_s_per_byte", "horovod", "fp16", "10gbit"),
+    ("server_round_s", "hvd-compress", "topk:ratio=0.001@gloo@ps", "10gbit"),
 )
 """The parameters fitted to the emulated cluster, in this order, each to one row (system,
-scheme, link) of the run: the rest of the rows are predictions."""
+scheme, link) of the run: the rest of the rows are predictions. A run without a row of
+:data:`OPTIONAL_FITS` leaves that term as it was given."""
+
+OPTIONAL_FITS = ("server_round_s",)
+"""Fitted terms whose row a fit run may lack (a run without a parameter server)."""
 
 STOCK_ONLY = ("stock_s_per_byte", "reduce_s_per_byte")
 """Fitted terms that belong to stock Horovod (its optimizer's per-step cost; Gloo summing
@@ -936,15 +951,24 @@ FIT_ROUNDS = 3
 again until they settle."""
 
 FIT_START = {"cpu_s_per_byte": 1e-8, "gather_factor": 4.0, "codec_scale": 8.0,
-             "stock_s_per_byte": 1e-8, "reduce_s_per_byte": 1e-7}
+             "stock_s_per_byte": 1e-8, "reduce_s_per_byte": 1e-7, "server_round_s": 0.05}
 
 
 def fit(rows: Sequence[Mapping[str, Any]], tensors: Mapping[str, tuple[int, ...]],
-        base: Cluster, hook_s: float) -> Cluster:
-    """``base`` with the :data:`FITS` parameters fitted, each so that its row's predicted
-    step equals the measured one (bisection; the model's step grows with each)."""
+        base: Cluster, hook_s: float, names: Collection[str] | None = None) -> Cluster:
+    """``base`` with the :data:`FITS` parameters (or those of them in ``names``) fitted,
+    each so that its row's predicted step equals the measured one (bisection; the model's
+    step grows with each). A term of :data:`OPTIONAL_FITS` whose row the run lacks keeps
+    its value; any other raises ``ValueError``."""
     for name, system, scheme, link in FITS * FIT_ROUNDS:
-        row = _find(rows, system, scheme, link)
+        if names is not None and name not in names:
+            continue
+        try:
+            row = _find(rows, system, scheme, link)
+        except ValueError:
+            if name in OPTIONAL_FITS and names is None:
+                continue
+            raise
         floor = 1.0 if name == "gather_factor" else 0.0
 
         def error(value: float, name: str = name, row: Mapping[str, Any] = row,
@@ -970,10 +994,12 @@ def compute_floors(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
 
 
 def check(rows: Sequence[Mapping[str, Any]], base: Cluster, hook_s: float = 0.1,
-          fitted: bool = True) -> tuple[list[dict[str, Any]], Cluster]:
+          fitted: bool = True, refit: Collection[str] = ()
+          ) -> tuple[list[dict[str, Any]], Cluster]:
     """Every step-time row of a ``bench cluster`` run (rows with a ``step_s`` and a model
     of :data:`~hvd_compress.bench.cluster_rank.MODELS`, not the compute floor) predicted
-    against its measurement; with ``fitted``, :data:`FITS` first. The compute time is the
+    against its measurement; with ``fitted``, :data:`FITS` first, else the terms in
+    ``refit`` (the others as ``base`` gives them). The compute time is the
     mean of the run's own floor rows for the model where it has them
     (:func:`compute_floors`), else ``base.compute_s``. Returns the rows (with
     ``error``, predicted / measured - 1, and ``fitted_here`` for the fit rows) and the
@@ -987,17 +1013,17 @@ def check(rows: Sequence[Mapping[str, Any]], base: Cluster, hook_s: float = 0.1,
     used = base
     for model, mine in by_model.items():
         tensors = model_tensors(model)
-        params = fit(mine, tensors, base, hook_s) if fitted else base
+        params = fit(mine, tensors, base, hook_s) if fitted else \
+            fit(mine, tensors, base, hook_s, refit) if refit else base
         used = params
-        fits = {(s, sc, lk) for _, s, sc, lk in FITS}
+        fits = {(s, sc, lk) for n, s, sc, lk in FITS if fitted or n in refit}
         for row in mine:
             floor = floors.get(model)
             here = params if floor is None else dataclasses.replace(params, compute_s=floor)
             measured = float(row["step_s"])
             common = {"system": row["system"], "scheme": row["scheme"],
                       "link": row["link"], "model": model, "measured_s": measured,
-                      "fitted_here": fitted and (row["system"], row["scheme"],
-                                                 row["link"]) in fits,
+                      "fitted_here": (row["system"], row["scheme"], row["link"]) in fits,
                       "measured_mb": float(row.get("tx_payload_bytes_per_step") or 0) / 1e6}
             try:
                 job, cluster = row_case(row, tensors, here, hook_s)
@@ -1074,6 +1100,10 @@ def add_parser(commands: Any) -> None:
                    help="forward, backward and update seconds per step (default 0)")
     p.add_argument("--cycle-ms", type=float, default=0.0,
                    help="fixed cost per collective, ms (Horovod's cycle; default 0)")
+    p.add_argument("--server-round-ms", type=float, default=0.0,
+                   help="fixed ms of each server round of a tensor beyond its bytes and hops "
+                        "(its calls' handling; a server round waits for no Horovod cycle; "
+                        "default 0)")
     p.add_argument("--codec-gbps", type=float,
                    help="codec throughput, GB/s of float32 in per rank (default: measured "
                         "on this CPU with one thread)")
@@ -1101,6 +1131,11 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--fitted", type=Path, metavar="CHECK_JSON",
                    help="with --check: take the fitted terms from an earlier --check JSON "
                         "instead of fitting (to predict another run out of sample)")
+    p.add_argument("--fit", nargs="+", default=(), metavar="TERM",
+                   choices=[name for name, *_ in FITS],
+                   help="with --check and --fitted: fit these terms on this run's rows "
+                        "all the same (e.g. server_round_s, whose row a fit run without a "
+                        "server lacks)")
     p.add_argument("--overlap", action="store_true",
                    help="the hosts' CPU per byte overlaps the wire (default: adds to it)")
     p.add_argument("--table", action="store_true",
@@ -1129,7 +1164,8 @@ def _base(args: Any, measure_copy: bool = True) -> Cluster:
                    latency_s=args.latency_us * 1e-6, intra_bits=args.intra_gbit * 1e9,
                    intra_latency_s=args.intra_latency_us * 1e-6,
                    intra_shm=bool(args.host_shm),
-                   cycle_s=args.cycle_ms / 1e3, codec_scale=args.codec_scale,
+                   cycle_s=args.cycle_ms / 1e3, server_round_s=args.server_round_ms / 1e3,
+                   codec_scale=args.codec_scale,
                    codec_bytes_per_s=args.codec_gbps * 1e9 if args.codec_gbps else None,
                    copy_bytes_per_s=copy, compute_s=args.compute_s, overlap=args.overlap)
 
@@ -1150,7 +1186,7 @@ def _fitted_terms(path: Path) -> dict[str, float]:
     if not params:
         raise SystemExit(f"--fitted {path}: no fitted parameters in it (a --check JSON?)")
     first = next(iter(params.values()))
-    return {name: float(first[name]) for name, *_ in FITS}
+    return {name: float(first[name]) for name, *_ in FITS if name in first}
 
 
 def pass_throughput(one_rank: Mapping[str, Any]) -> float:
@@ -1196,7 +1232,8 @@ def _run_check(args: Any) -> int:
             **{"codec_scale": contention, **given})
         mine = [r for r in rows if r.get("model") == name]
         hook_s = o["hook_wall_s"] * contention
-        checked, used = check(mine, base, hook_s, fitted=not (args.no_fit or given))
+        checked, used = check(mine, base, hook_s, fitted=not (args.no_fit or given),
+                              refit=args.fit if given else ())
         out += checked
         fitted[name] = {**dataclasses.asdict(used), "contention": contention,
                         "ddp_hook_s": hook_s}
@@ -1204,7 +1241,9 @@ def _run_check(args: Any) -> int:
     worst = max((abs(r["error"]) for r in checked), default=0.0)
     within = sum(abs(r["error"]) <= 0.2 for r in checked)
     skipped = len(out) - len(checked)
-    fits = [] if args.no_fit or given else [list(f) for f in FITS]
+    present = {(r.get("system"), r.get("scheme"), r.get("link")) for r in rows}
+    fits = [] if args.no_fit else [list(f) for f in FITS if (not given or f[0] in args.fit)
+                                   and tuple(f[1:]) in present]
     named = ", ".join(f"{n} on {s} {sc} {lk}" for n, s, sc, lk in fits) or "nothing"
     unchecked = f" ({skipped} not checked: route not recorded)" if skipped else ""
     inside = ""
