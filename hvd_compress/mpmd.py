@@ -53,22 +53,6 @@ collective among all ranks even when nothing is pending, whose bytes and CPU com
 the gradients'; 10 ms batches that traffic (measured in docs/benchmarks.md, "Horovod's own
 knobs, measured here")."""
 
-GROUP_CYCLE_TIME_MS = "100"
-"""``HOROVOD_CYCLE_TIME`` that :func:`init` sets (unless the environment sets one) for a job
-that declares its dense rounds on a ``torch.distributed`` group (``collectives="gloo"`` or
-``"nccl"``). Horovod then carries only the start-up broadcasts and the few sums that need
-it (sparse sums other than top-k's), and its idle loop, a small collective among all
-ranks every cycle, runs a tenth as often. A round that does go through Horovod waits up to
-that long. Measured: docs/results/server-cycle-61efecc (PowerSGD on a Gloo group) and
-docs/results/transformer-repeats-48b5da6."""
-
-COLLECTIVES_ENV = "HVD_COMPRESS_COLLECTIVES"
-"""Default of the torch binding's ``init(collectives=)``."""
-
-declared_collectives: str | None = None
-"""What the last :func:`init` was told carries the optimizer's dense rounds (``"horovod"``,
-``"gloo"`` or ``"nccl"``): the default of the torch ``DistributedOptimizer``'s
-``collectives``. ``None`` before :func:`init` (Horovod started by ``hvd.init()``)."""
 
 MPI_DEFAULTS = {"OMPI_MCA_mpi_yield_when_idle": "1"}
 """Open MPI settings that :func:`init` sets unless the environment (or ``mpirun --mca``,
@@ -161,11 +145,9 @@ def _refusal(horovod: ModuleType, transport: Transport | None,
 
 
 def init(horovod: ModuleType, binding: str, ps: str | None = None,
-         controller: str | None = None, collectives: str = "horovod", **kwargs: Any) -> None:
+         controller: str | None = None, **kwargs: Any) -> None:
     """``horovod.init(**kwargs)`` with ``HOROVOD_CYCLE_TIME`` at
-    :data:`DEFAULT_CYCLE_TIME_MS` (:data:`GROUP_CYCLE_TIME_MS` when ``collectives`` is
-    ``"gloo"`` or ``"nccl"``: the job's dense rounds go on a ``torch.distributed`` group,
-    recorded in :data:`declared_collectives`) and Open MPI's :data:`MPI_DEFAULTS` unless the
+    :data:`DEFAULT_CYCLE_TIME_MS` and Open MPI's :data:`MPI_DEFAULTS` unless the
     environment sets them (they reach MPI only if it starts here), or, for ``ps="mpi"``
     (default ``$HVD_COMPRESS_PS``), split the parameter-server ranks of an MPMD ``mpirun``
     off ``MPI.COMM_WORLD`` and start Horovod on the workers' communicator (``comm=``,
@@ -196,9 +178,6 @@ def init(horovod: ModuleType, binding: str, ps: str | None = None,
     if controller not in CONTROLLERS:
         raise ValueError(f"{binding}.init: controller must be one of {CONTROLLERS}, got "
                          f"{controller!r}")
-    if collectives not in ("horovod", "gloo", "nccl"):
-        raise ValueError(f"{binding}.init: collectives must be 'horovod', 'gloo' or 'nccl', "
-                         f"got {collectives!r} (from ${COLLECTIVES_ENV} if not passed)")
     prepared = (os.environ.get("HOROVOD_CONTROLLER") == "gloo"
                 and "HOROVOD_GLOO_RENDEZVOUS_ADDR" in os.environ)  # horovodrun, or done
     decide = (controller != "horovod" and _under_mpi_launcher() and not prepared
@@ -222,10 +201,7 @@ def init(horovod: ModuleType, binding: str, ps: str | None = None,
             raise ValueError(f"{binding}.init(ps={name!r}) needs parameter-server ranks in the "
                              f"same MPMD mpirun, but {where}; launch e.g. {MPMD_EXAMPLE}, "
                              "or use gRPC servers (ps='grpc://host:port')")
-    os.environ.setdefault("HOROVOD_CYCLE_TIME", DEFAULT_CYCLE_TIME_MS if collectives == "horovod"
-                          else GROUP_CYCLE_TIME_MS)
-    global declared_collectives
-    declared_collectives = collectives
+    os.environ.setdefault("HOROVOD_CYCLE_TIME", DEFAULT_CYCLE_TIME_MS)
     if decide and controller == "gloo":
         from hvd_compress.mpi_gloo import start_gloo_controller
 

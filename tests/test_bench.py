@@ -621,19 +621,3 @@ def test_thread_cpu_is_told_apart_by_thread_name() -> None:
     assert seen["hvdc_spin"] >= 0.14  # 0.3 s over 2 steps, less a clock tick
     assert seen["main"] < 0.1  # it waited
     assert "hvdc_spin" not in thread_cpu_per_step(before, _thread_cpu(), 2)
-
-
-def test_cluster_sets_horovods_cycle_for_stock_horovod_and_leaves_ours_to_init() -> None:
-    """By default stock Horovod runs at a 10 ms cycle and hvd-compress at what
-    ``hvd_compress.torch.init`` sets for the launch's route (the rank records it); a
-    ``--cycle-time-ms`` applies to both."""
-    from hvd_compress.bench.cluster import OURS, Plan, System, horovod_settings
-
-    stock = System("horovod", "horovod", "gloo", [{"scheme": "none"}])
-    ours = System(OURS, OURS, "gloo", [{"scheme": "none", "collectives": "gloo"}])
-    plan = Plan()
-    assert horovod_settings(plan, stock)["HOROVOD_CYCLE_TIME"] == "10"
-    assert "HOROVOD_CYCLE_TIME" not in horovod_settings(plan, ours)
-    given = Plan(cycle_time_ms=40)
-    assert horovod_settings(given, stock)["HOROVOD_CYCLE_TIME"] == "40"
-    assert horovod_settings(given, ours)["HOROVOD_CYCLE_TIME"] == "40"

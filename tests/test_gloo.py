@@ -102,43 +102,6 @@ def test_optimizer_refuses_unknown_collectives_at_construction() -> None:
 
 
 @pytest.mark.multiprocess
-def test_init_declares_the_gloo_route_and_spares_horovods_cycle(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """``init(collectives="gloo")`` (here through ``$HVD_COMPRESS_COLLECTIVES``): Horovod's
-    cycle is 100 ms unless the environment sets one; an optimizer built without
-    ``collectives=`` exchanges on the Gloo group and trains; one built with
-    ``collectives="horovod"`` warns, naming the cycle. Without it nothing changes."""
-    monkeypatch.delenv("HOROVOD_CYCLE_TIME", raising=False)  # an in-process init's
-    monkeypatch.delenv("HVD_COMPRESS_COLLECTIVES", raising=False)
-    cases = [({"HVD_COMPRESS_COLLECTIVES": "gloo"}, "100", "gloo", True),
-             ({"HVD_COMPRESS_COLLECTIVES": "gloo", "HOROVOD_CYCLE_TIME": "7"}, "7", "gloo",
-              True),
-             ({}, "10", "horovod", False)]
-    for env, cycle, declared, on_group in cases:
-        for rank in run_ranks("tests.workers.gloo:declared_route", env=env):
-            assert rank["cycle"] == cycle and rank["declared"] == declared, (env, rank)
-            assert rank["on_group"] == on_group and rank["stepped"], (env, rank)
-            if on_group:
-                assert len(rank["warned"]) == 1, rank
-                assert f"cycle to {cycle} ms" in rank["warned"][0], rank
-                assert "collectives='gloo'" in rank["warned"][0], rank
-            else:
-                assert rank["warned"] == [], rank
-
-
-def test_init_refuses_an_unknown_route_before_starting_horovod() -> None:
-    from hvd_compress import mpmd
-
-    class NotStarted:
-        def __getattr__(self, name: str) -> None:
-            raise AssertionError(f"Horovod touched: {name}")
-
-    with pytest.raises(ValueError, match=r"collectives must be 'horovod', 'gloo' or 'nccl', "
-                                         r"got 'mpi'"):
-        mpmd.init(NotStarted(), "hvd_compress.torch", collectives="mpi")  # type: ignore[arg-type]
-
-
-@pytest.mark.multiprocess
 def test_a_bad_store_address_fails_every_rank_at_construction() -> None:
     ranks = run_ranks("tests.workers.gloo:refused_address", timeout=120,
                       address="no-such-host.invalid")

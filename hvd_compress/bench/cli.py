@@ -193,10 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "communication; default: measured for every model and link)")
     clus.add_argument("--cycle-time-ms", type=float,
                       help="HOROVOD_CYCLE_TIME for every Horovod-based system, stock and "
-                      "hvd-compress alike (default: stock Horovod 10 ms, hvd-compress what "
-                      "hvd_compress.torch.init sets for the launch: 10 ms, or 100 ms when "
-                      "every configuration runs on a Gloo group; 0: none set, stock Horovod "
-                      "at its own 1 ms)")
+                      "hvd-compress alike (default 10, what hvd_compress.torch.init sets; 0: "
+                      "Horovod's own default, 1 ms)")
     clus.add_argument("--shared-processes", action="store_true",
                       help="run each system's configurations one after the other in the same "
                       "processes (default: fresh processes for every configuration)")

@@ -165,10 +165,7 @@ class Plan:
     """More environment for every Horovod-based system (``--env KEY=VALUE``), to measure
     what a setting costs: ``OMPI_MCA_mpi_yield_when_idle=0`` undoes what
     :func:`hvd_compress.torch.init` sets under ``mpirun``."""
-    cycle_time_ms: float | None = None
-    """``HOROVOD_CYCLE_TIME`` for every Horovod-based system; ``None``: stock Horovod at
-    10 ms, ours at what :func:`hvd_compress.torch.init` sets for the launch (10 ms, 100 ms
-    when every configuration of the launch runs on a Gloo group); 0: Horovod's own."""
+    cycle_time_ms: float | None = 10.0
     separate: bool = True
     bucket_mb: float | None = None
     accuracy_rate: str | None = "100mbit"
@@ -382,16 +379,12 @@ def _launch(system: System, plan: Plan, model: str, addresses: list[str], direct
 
 
 def horovod_settings(plan: Plan, system: System | None = None) -> dict[str, str]:
-    """Horovod's environment for every Horovod-based system of the plan:
-    ``HOROVOD_CYCLE_TIME`` when the plan sets it, else 10 ms for stock Horovod (what
-    :func:`hvd_compress.torch.init` sets for its route; ours take what it sets, and record
-    it in their rows; docs/benchmarks.md compares cycle times), and the plan's
-    ``horovod_env``; for a launch of two-level configurations (``@host``),
+    """Horovod's environment for every Horovod-based system of the plan (stock and ours
+    alike): ``HOROVOD_CYCLE_TIME`` when the plan sets it (by default 10 ms, what
+    :func:`hvd_compress.torch.init` sets; docs/benchmarks.md compares cycle times), and
+    the plan's ``horovod_env``; for a launch of two-level configurations (``@host``),
     ``HOROVOD_DYNAMIC_PROCESS_SETS=1``, which their process sets per host need."""
-    ms = plan.cycle_time_ms
-    if ms is None and (system is None or system.runs != OURS):
-        ms = 10.0
-    cycle = {"HOROVOD_CYCLE_TIME": f"{ms:g}"} if ms else {}
+    cycle = {"HOROVOD_CYCLE_TIME": f"{plan.cycle_time_ms:g}"} if plan.cycle_time_ms else {}
     two_level = system is not None and any(c.get("hierarchy") for c in system.configs)
     dynamic = {"HOROVOD_DYNAMIC_PROCESS_SETS": "1"} if two_level else {}
     return {**cycle, **dynamic, **plan.horovod_env}

@@ -172,9 +172,7 @@ def _checksum(model: nn.Module) -> torch.Tensor:
 class _System:
     """How one system wraps a model and checks its replicas."""
 
-    def __init__(self, name: str, collectives: str = "horovod") -> None:
-        """``collectives``: what carries every configuration's dense rounds in this launch
-        (``"horovod"`` when they differ), what ours tell ``hvd_compress.torch.init``."""
+    def __init__(self, name: str) -> None:
         self.name = name
         if name == "ddp":
             import torch.distributed as dist
@@ -191,7 +189,7 @@ class _System:
             if name == "hvd-compress":  # as its README starts it (Horovod's and MPI's knobs)
                 import hvd_compress.torch as hvdc
 
-                hvdc.init(collectives=collectives)
+                hvdc.init()
             else:
                 hvd.init()
             self.rank, self.size = hvd.rank(), hvd.size()
@@ -226,8 +224,7 @@ class _System:
                                             ps=config.get("ps") or "", collectives=collectives,
                                             **extra)
         return model, wrapped, {"compression": scheme, "ps": config.get("ps") or "allgather",
-                                "collectives": collectives, **extra,
-                                "HOROVOD_CYCLE_TIME": os.environ.get("HOROVOD_CYCLE_TIME", "")}
+                                "collectives": collectives, **extra}
 
     def _ddp(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheme: str
              ) -> tuple[nn.Module, torch.optim.Optimizer, dict[str, Any]]:
@@ -603,16 +600,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     stacks = (args.stacks_dir / f"stacks-rank{rank_hint}.txt").open("w")
     faulthandler.dump_traceback_later(max(args.stacks_at - time.time(), 0.1), file=stacks)
     torch.set_num_threads(1)
-    configs = json.loads(args.configs)
-    routes = {config.get("collectives", "horovod") for config in configs}
-    system = _System(args.system, routes.pop() if len(routes) == 1 else "horovod")
+    system = _System(args.system)
 
     def progress(text: str) -> None:
         if system.rank == 0 and args.progress is not None:
             args.progress.write_text(text)
 
     rows = []
-    for config in configs:
+    for config in json.loads(args.configs):
         if args.digits_epochs:
             rows.append(run_digits(system, args.digits_hidden, config, args.digits_epochs,
                                    progress, args.digits_budget_s, args.digits_target,

@@ -888,7 +888,7 @@ def row_case(row: Mapping[str, Any], tensors: Mapping[str, tuple[int, ...]],
     from :func:`row_split`, which raises :class:`UnknownRoute`) and Horovod cycle time."""
     system, scheme = str(row["system"]), str(row["scheme"])
     settings = row.get("settings") or {}
-    cycle = float(settings.get("HOROVOD_CYCLE_TIME") or 0) / 1e3
+    cycle = float(settings.get("HOROVOD_CYCLE_TIME", 0)) / 1e3
     per_host = int(row.get("ranks_per_host") or 1)  # several ranks per host's namespace
     cluster = dataclasses.replace(base, hosts=int(row.get("hosts") or row["ranks"]),
                                   per_host=per_host,

@@ -326,7 +326,7 @@ def DistributedOptimizer(
     bucket_mb: float | None = DEFAULT_BUCKET_MB,
     connect_timeout: float | None = None,
     report_every: int = DEFAULT_REPORT_EVERY,
-    collectives: str | None = None,
+    collectives: str = "horovod",
     hierarchy: str | None = None,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over all ranks and
@@ -374,22 +374,18 @@ def DistributedOptimizer(
             decodes the rank's own payload, one extra decode per tensor. Tensors with error
             feedback and DGC's velocity are measured at every step.
         collectives: what carries the dense rounds (all-reduces, PowerSGD's ``P`` and
-            ``Q``, the compressed all-reduce's scatter and gather). Default: what
-            :func:`init` was told (``init(collectives=)``), else ``"horovod"``.
-            ``"horovod"``: Horovod's collectives, each round waiting for the next
-            ``HOROVOD_CYCLE_TIME`` cycle. ``"gloo"``: a ``torch.distributed`` Gloo group
-            over Horovod's ranks (:func:`hvd_compress.comm.gloo_torch.horovod_gloo_group`),
-            each round started at once from this thread as DDP's hooks do; collectives
-            are then matched by the order they start, so every rank must run the same
-            parameters' backward (unused parameters are sent as zeros at ``step()``).
-            Needs the global process set.
+            ``Q``, the compressed all-reduce's scatter and gather). ``"horovod"`` (default):
+            Horovod's collectives, each round waiting for the next ``HOROVOD_CYCLE_TIME``
+            cycle. ``"gloo"``: a ``torch.distributed`` Gloo group over Horovod's ranks
+            (:func:`hvd_compress.comm.gloo_torch.horovod_gloo_group`), each round started at
+            once from this thread as DDP's hooks do; collectives are then matched by the
+            order they start, so every rank must run the same parameters' backward (unused
+            parameters are sent as zeros at ``step()``). Needs the global process set.
             Top-k's pairs go on the group too (every rank sends ``k``, so one all-gather
             of a size known in advance carries them); other sparse pairs (DGC's,
-            threshold's) still go through Horovod, and every sparse sum to a ``ps=`` server
-            (which waits for no cycle). Declare the route at start,
-            ``hvd_compress.torch.init(collectives="gloo")``: Horovod's cycle is then 100 ms,
-            which spares its idle loop (docs/user-guide.md); DGC's and threshold's sums wait
-            for it. ``"nccl"``: the same on a NCCL group for a model on
+            threshold's) still go through Horovod, and every sparse sum to a ``ps=`` server;
+            for dense schemes and top-k ``HOROVOD_CYCLE_TIME=100`` spares Horovod's idle
+            loop (docs/user-guide.md). ``"nccl"``: the same on a NCCL group for a model on
             the GPU (:mod:`hvd_compress.comm.torch_dist`); refused, with what to change, unless
             this torch has NCCL, CUDA is available and every parameter is on the current
             CUDA device (``torch.cuda.set_device(hvd.local_rank())`` then
@@ -418,23 +414,12 @@ def DistributedOptimizer(
         bucket_mb = default_bucket_mb(compression)
     if bucket_mb is not None and bucket_mb < 0:
         raise ValueError(f"bucket_mb must be >= 0 or None, got {bucket_mb}")
-    declared = mpmd.declared_collectives
-    given = f"collectives={collectives!r}" if collectives is not None else \
-        f"collectives={declared!r} (init's, the default here)"
-    if collectives is None:
-        collectives = declared or "horovod"
     if collectives not in COLLECTIVES:
         raise ValueError(f"collectives must be one of {COLLECTIVES}, got {collectives!r}")
-    if collectives == "horovod" and declared not in (None, "horovod"):
-        warnings.warn(f"hvd_compress.torch.init(collectives={declared!r}) set Horovod's cycle "
-                      f"to {os.environ.get('HOROVOD_CYCLE_TIME')} ms, and this optimizer's "
-                      "rounds go through Horovod (collectives='horovod'): each waits for "
-                      f"that cycle. Pass collectives={declared!r} here, or call init() "
-                      "without collectives=", stacklevel=2)
     if collectives != "horovod" and process_set is not None \
             and process_set.process_set_id != hvd.global_process_set.process_set_id:
-        raise ValueError(f"{given} runs over Horovod's global ranks; pass process_set=None "
-                         "or collectives='horovod'")
+        raise ValueError(f"collectives={collectives!r} runs over Horovod's global ranks; "
+                         "pass process_set=None or use collectives='horovod'")
     if collectives == "nccl":
         check_nccl(p.device for group in optimizer.param_groups for p in group["params"])
     check_timeout(connect_timeout, "connect_timeout")
@@ -448,8 +433,7 @@ def DistributedOptimizer(
                bucket_mb, connect_timeout, report_every, collectives, hierarchy)
 
 
-def init(ps: str | None = None, controller: str | None = None,
-         collectives: str | None = None, **kwargs: Any) -> None:
+def init(ps: str | None = None, controller: str | None = None, **kwargs: Any) -> None:
     """Start Horovod: ``hvd.init(**kwargs)``, or, for ``ps="mpi"`` (default
     ``$HVD_COMPRESS_PS``), split the parameter-server ranks of an MPMD ``mpirun`` off
     ``MPI.COMM_WORLD`` and start Horovod on the workers' communicator::
@@ -461,16 +445,8 @@ def init(ps: str | None = None, controller: str | None = None,
     ``mpirun`` started, unless something needs its MPI controller) as in
     :func:`hvd_compress.mpmd.init`.
 
-    ``collectives`` (default ``$HVD_COMPRESS_COLLECTIVES``, else ``"horovod"``): what will
-    carry the optimizer's dense rounds, the default of :func:`DistributedOptimizer`'s
-    ``collectives``. ``"gloo"`` or ``"nccl"`` also sets ``HOROVOD_CYCLE_TIME=100`` unless
-    the environment sets it (:data:`hvd_compress.mpmd.GROUP_CYCLE_TIME_MS`): Horovod then
-    carries no round of a step, and its idle loop runs a tenth as often.
-
     See :func:`hvd_compress.mpmd.init` (shared with ``hvd_compress.tensorflow.init``)."""
-    route = collectives or os.environ.get(mpmd.COLLECTIVES_ENV, "").strip().lower() \
-        or "horovod"
-    mpmd.init(hvd, "hvd_compress.torch", ps, controller, collectives=route, **kwargs)
+    mpmd.init(hvd, "hvd_compress.torch", ps, controller, **kwargs)
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:

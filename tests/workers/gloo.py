@@ -88,31 +88,3 @@ def refused_address(address: str) -> str:
     except ValueError as exc:
         return str(exc)
     return "no error"
-
-
-def declared_route() -> dict[str, Any]:
-    """After ``init()`` (tests/rank_main.py): Horovod's cycle, the route ``init`` recorded,
-    what an optimizer built without ``collectives=`` exchanges on, whether one built with
-    ``collectives="horovod"`` warned, and that a step on the default trains."""
-    import warnings
-
-    from hvd_compress import mpmd
-    from hvd_compress.comm.torch_dist import TorchDistCommunicator
-
-    torch.manual_seed(0)
-    net = nn.Linear(8, 4)
-    opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
-                               named_parameters=net.named_parameters())
-    net(torch.ones(2, 8)).sum().backward()
-    before = net.weight.detach().clone()
-    opt.step()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        other = nn.Linear(8, 4)
-        DistributedOptimizer(torch.optim.SGD(other.parameters(), lr=0.1),
-                             named_parameters=other.named_parameters(), collectives="horovod")
-    return {"cycle": os.environ.get("HOROVOD_CYCLE_TIME"),
-            "declared": mpmd.declared_collectives,
-            "on_group": isinstance(opt._pipeline.comm, TorchDistCommunicator),
-            "stepped": bool((net.weight.detach() != before).any()),
-            "warned": [str(w.message) for w in caught]}
