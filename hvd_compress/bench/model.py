@@ -63,9 +63,11 @@ Ranks sharing cores (``Cluster.cores``, the emulated cluster: ``W L`` ranks on o
 machine's cores, ``contention`` ranks per core). Every term above is on the step's path,
 one after the other, as on a cluster where each rank has its own processor: a collective
 ends on every rank at once, and a rank that waits for it leaves its processor idle. A server
-round's pulls leave the shard's link one after another, so the workers served first go on
-computing while the last still wait; on shared cores that computing is done while the link
-sends, and the step is shorter. The model takes off the server rounds' transfer, at most
+round is not a collective: each worker pushes when its own backward ends, while the others
+still compute, and the pulls end one after another, so the workers served first go on
+computing while the last still wait (measured: docs/results/model/check-overlap-54eca5a).
+On shared cores that computing is done while the link sends, and the step is shorter. The
+model takes off the server rounds' transfer, at most
 the ranks' CPU seconds (``compute``, ``passes``, ``codec`` without the server's summing,
 and the in-host stage through shared memory) times ``1 - 1 / contention``: the part of a
 rank's CPU time that, on shared cores, is the other ranks' turn (``server_overlap``).
