@@ -7,7 +7,8 @@ or an MPI message)::
     offset size  field
      0      4    magic  b"HVPS"
      4      1    format version (VERSION)
-     5      1    kind: 1 push, 2 pull request, 3 aggregate
+     5      1    kind: 1 push, 2 pull request, 3 aggregate, 4 selected aggregate (the
+                 pairs a worker pushed outside it stay with that worker: Kind.SELECTED)
      6      1    index coding: 0 delta+varint, 1 bitmap, 2 dense
      7      1    value dtype: 0 float32, 1 float16
      8      4    worker id (u32); in aggregates SERVER_ID, or SERVER_ID - m for a round
@@ -68,6 +69,9 @@ class Kind(IntEnum):
     PUSH = 1
     PULL = 2
     AGGREGATE = 3
+    SELECTED = 4
+    """An aggregate of some of the round's indices only (the server's ``--mode gtopk``):
+    each worker keeps the pairs it pushed at the others in its residual."""
 
 
 class IndexCoding(IntEnum):

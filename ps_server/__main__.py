@@ -130,8 +130,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with --quorum: closed rounds kept for late workers' pulls")
     p.add_argument("--mode", choices=MODES, default="union",
                    help="union: exact sum over the union of indices; topk: global top-k "
-                   "with a server-side residual, pulls no larger than a push (for many "
-                   "workers; docs/parameter-server.md, Choosing the mode)")
+                   "with a server-side residual; gtopk: global top-k of the sum, the rest "
+                   "kept in the workers' residuals, no server state; both top-k modes pull "
+                   "no more than a push (for many workers; docs/parameter-server.md, "
+                   "Choosing the mode)")
     p.add_argument("--token-file", type=Path, metavar="PATH", show_default=f"${TOKEN_ENV}",
                    help="require the token in this file from gRPC clients")
     p.add_argument("--tls-cert", type=Path, metavar="PEM", show_default="no TLS",

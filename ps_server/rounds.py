@@ -12,6 +12,14 @@ pushes (float32, added in worker order, so the result does not depend on arrival
   equal ``|s_i|``, the lower indices first) and ``e <- s`` with those entries zeroed
   (error feedback on the server). A non-finite ``s`` is returned whole and ``e`` is kept,
   so workers detect it and skip the step.
+* mode ``gtopk`` (global top-k, no server residual): the aggregate is the ``k`` entries of
+  ``a`` of largest ``|a_i|`` (``k`` and ties as in ``topk``), sent as a
+  :attr:`~hvd_compress.sparse_wire.Kind.SELECTED` frame. Each worker keeps the pairs it
+  pushed at indices the aggregate leaves out in its own error-feedback residual
+  (:meth:`~hvd_compress.comm.ps_transport.base.PendingRound.unselected`), so no gradient
+  mass is lost and the server holds no state between rounds; a pull carries ``k`` pairs
+  whatever ``W``, as in ``topk``, and the round's work follows the pushed pairs, as in
+  ``union``. A non-finite ``a`` is returned whole.
 
 The sum, the top-k and the aggregate frame run natively when the library is available
 (:mod:`hvd_compress.native.round`: one call per round, no Python work per pair), else in
@@ -68,7 +76,9 @@ from hvd_compress.sparse_wire import (
     pack_header,
 )
 
-MODES = ("union", "topk")
+MODES = ("union", "topk", "gtopk")
+AGGREGATE_KINDS = {"union": Kind.AGGREGATE, "topk": Kind.AGGREGATE, "gtopk": Kind.SELECTED}
+"""The kind of frame each mode answers a pull with."""
 
 
 @dataclass(frozen=True)
@@ -197,15 +207,17 @@ def close_pushes(mode: str, state: TensorState, pushes: list[Frame], k: int
     native = native_round.close_round([(f.indices, f.values) for f in pushes], state.numel,
                                       state.residual if mode == "topk" else None, k)
     if native is not None:
-        return native
+        union, result = native
+        return union, aggregate(mode, state, *union, k) if mode == "gtopk" else result
     indices, values = sum_pushes(pushes, state.numel)
     return (indices, values), aggregate(mode, state, indices, values, k)
 
 
 def encode_aggregate(tensor: str, shard: int, shards: int, finished: Finished, sender: int,
-                     numel: int, dtype: ValueDType) -> bytes:
+                     numel: int, dtype: ValueDType, kind: Kind = Kind.AGGREGATE) -> bytes:
     """The aggregate frame of ``finished`` in ``dtype`` (what :func:`encode_frame` gives),
-    written in one native pass for float32 values when the library is available."""
+    written in one native pass for float32 values when the library is available; ``kind``:
+    the mode's (:data:`AGGREGATE_KINDS`)."""
     idx, val = finished.indices, finished.values
     if dtype is ValueDType.FP32 and native_available():
         name = tensor.encode("utf-8")
@@ -219,7 +231,7 @@ def encode_aggregate(tensor: str, shard: int, shards: int, finished: Finished, s
                  IndexCoding.DENSE: 4 * numel}
         coding = min(sizes, key=lambda c: (sizes[c], c))
         values = numel if coding is IndexCoding.DENSE else count
-        head = pack_header(Kind.AGGREGATE, coding, dtype, sender, finished.round, shard,
+        head = pack_header(kind, coding, dtype, sender, finished.round, shard,
                            shards, numel, values, sizes[coding] - 4 * values, name)
         size = len(head) + sizes[coding] + 4
         encoded = native_round.assemble_frame(head, section, val, size) \
@@ -227,7 +239,7 @@ def encode_aggregate(tensor: str, shard: int, shards: int, finished: Finished, s
             native_round.encode_frame(head, idx, val, numel, int(coding), size)
         if encoded is not None:
             return encoded
-    return encode_frame(Kind.AGGREGATE, tensor, shard, shards, finished.round, sender, numel,
+    return encode_frame(kind, tensor, shard, shards, finished.round, sender, numel,
                         idx, val, dtype)
 
 
@@ -248,7 +260,7 @@ def sum_pushes(pushes: list[Frame], numel: int) -> tuple[np.ndarray, np.ndarray]
 def aggregate(mode: str, state: TensorState, indices: np.ndarray, values: np.ndarray,
               k: int) -> tuple[np.ndarray, np.ndarray]:
     """The round's aggregate from its union sum (updating ``state``'s top-k residual);
-    see the module docstring for both modes."""
+    see the module docstring for each mode."""
     if mode == "topk":
         native = native_round.topk(state.residual, indices, values, k)
         if native is not None:
@@ -263,6 +275,13 @@ def aggregate(mode: str, state: TensorState, indices: np.ndarray, values: np.nda
         else:
             indices = np.arange(state.numel)
             values = total
+    elif mode == "gtopk":
+        native = native_round.select_largest(indices, values, k)
+        if native is not None:
+            return native
+        if np.isfinite(values).all():
+            chosen = _largest(np.abs(values), min(k, values.size))
+            indices, values = indices[chosen], values[chosen]
     return indices.astype(np.int64, copy=False), values.astype(np.float32, copy=False)
 
 

@@ -36,6 +36,7 @@ from ps_server.errors import (
 )
 from ps_server.identity import Binding, WorkerBindings
 from ps_server.rounds import (
+    AGGREGATE_KINDS,
     MODES,
     Finished,
     HeapKeeper,
@@ -554,7 +555,7 @@ class ShardStore:
                 sender = quorum_sender(self.workers - len(last.contributors)
                                        if last.contributors else 0)
                 encoded = encode_aggregate(frame.tensor, self.shard, self.shards, last, sender,
-                                           state.numel, frame.dtype)
+                                           state.numel, frame.dtype, AGGREGATE_KINDS[self.mode])
                 last.encoded[frame.dtype] = encoded
                 if self.heap is not None:
                     self.heap.fit(frame.tensor, len(encoded), self.workers)

@@ -36,7 +36,7 @@ def test_rounds_shrink_above_eight_workers():
 
 
 def test_unknown_modes_and_transports_are_refused():
-    with pytest.raises(ValueError, match="modes must be among union, topk, got sum"):
+    with pytest.raises(ValueError, match="modes must be among union, topk, gtopk, got sum"):
         ps.run([2], [1], NUMEL, DENSITY, 1, modes=["sum"], transports=["in-process"])
     with pytest.raises(ValueError, match="transports must be among"):
         ps.run([2], [1], NUMEL, DENSITY, 1, transports=["tcp"])
@@ -44,9 +44,11 @@ def test_unknown_modes_and_transports_are_refused():
 
 def test_the_null_servers_reply_is_the_size_of_the_modes_aggregate():
     pushes, _ = ps.make_frames(4, 1, NUMEL, DENSITY, 2)
-    union, topk = (ps.aggregate_nbytes(pushes, 1, 0, mode) for mode in ("union", "topk"))
+    union, topk, gtopk = (ps.aggregate_nbytes(pushes, 1, 0, mode)
+                          for mode in ("union", "topk", "gtopk"))
     push = len(pushes[0][1][0])
     assert union > 3.5 * push and 0.95 * push < topk < 1.05 * push
+    assert 0.95 * push < gtopk < 1.05 * push
 
 
 @pytest.mark.multiprocess

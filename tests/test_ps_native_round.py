@@ -96,7 +96,7 @@ def random_round(rng, workers: int, numel: int, dtype: str = "fp32", spread: flo
     return frames
 
 
-@pytest.mark.parametrize("mode", ["union", "topk"])
+@pytest.mark.parametrize("mode", ["union", "topk", "gtopk"])
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])
 @pytest.mark.parametrize("workers", [1, 2, 5])
 def test_random_rounds_match_the_numpy_route(mode, dtype, workers):
@@ -337,7 +337,7 @@ def run_store(mode: str, quorum: Quorum | None, rounds: int, seed: int) -> list[
     return answers
 
 
-@pytest.mark.parametrize("mode", ["union", "topk"])
+@pytest.mark.parametrize("mode", ["union", "topk", "gtopk"])
 @pytest.mark.parametrize("partial", [False, True])
 def test_store_rounds_answer_the_same_bytes_on_both_routes(mode, partial):
     quorum = Quorum(3, 2, grace=0.5) if partial else None
@@ -359,6 +359,18 @@ def test_a_second_content_for_the_same_worker_is_refused_on_both_routes():
                 service.push(frame(0, 0, [1], [2.0], 100), "b")
 
 
+def serve_rounds(service: ShardService, rounds: list[list[bytes]], which: range, numel: int
+                 ) -> list[bytes]:
+    """Push every worker's frame of each round in ``which`` (tensor ``w``, one shard), then
+    pull its aggregate as worker 0; the answers."""
+    answers = []
+    for r in which:
+        for push in rounds[r]:
+            service.push(push, "t")
+        answers.append(service.pull(encode_frame(Kind.PULL, "w", 0, 1, r, 0, numel), "t", 5.0))
+    return answers
+
+
 @pytest.mark.parametrize("restart_native", [True, False])
 def test_a_restart_resumes_the_topk_residual_exactly_on_either_route(tmp_path, restart_native):
     """The journal holds each round's union sum; a server restarted from the checkpoint of
@@ -368,13 +380,7 @@ def test_a_restart_resumes_the_topk_residual_exactly_on_either_route(tmp_path, r
     rounds = [random_round(rng, 2, numel, round=r) for r in range(8)]
 
     def serve(service: ShardService, which: range) -> list[bytes]:
-        answers = []
-        for r in which:
-            for w in range(2):
-                service.push(rounds[r][w], "t")
-            answers.append(service.pull(encode_frame(Kind.PULL, "w", 0, 1, r, 0, numel),
-                                        "t", 5.0))
-        return answers
+        return serve_rounds(service, rounds, which, numel)
 
     reference = ShardService(ShardStore(2, 0, 1, "topk"))
     serve(reference, range(5))

@@ -5,7 +5,6 @@ aggregate plus every residual equals the sum of all gradients exactly."""
 
 from __future__ import annotations
 
-import threading
 import time
 from types import SimpleNamespace
 
@@ -341,20 +340,12 @@ def test_topk_workers_with_a_straggler_lose_no_gradient_mass(quorum_server, skip
     residual, exactly: ``unscaled`` applies the contributors' sums as they are, ``owed``
     scales them by 3/2 and the missing worker's residual gives up the stand-in."""
     store, address = quorum_server
-    steps, results = 24, {}
+    steps = 24
 
     def stall(rank: int, step: int) -> None:
         time.sleep(1.0 if rank == 2 and step == 3 else 0.05)
 
-    def work(rank: int) -> None:
-        results[rank] = worker.run(address, rank, 3, steps, lambda s: stall(rank, s), skip,
-                                   partial)
-
-    threads = [threading.Thread(target=work, args=(r,)) for r in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    results = worker.run_in_threads(address, 3, steps, stall, skip, partial)
     assert sorted(results) == [0, 1, 2]
     assert store.partial_rounds >= 2 and store.late_pushes >= 1
     late = results[2]["rounds"]
@@ -390,7 +381,8 @@ def test_each_shards_sum_is_scaled_and_owed_as_partial_says(partial):
     for late, skipped in ((None, False), ("late", False), (None, True)):
         comm = ParameterServerCommunicator(SparseOnly(0, 4), _Client(), "s", partial=partial)
         pending = PendingRound("t", 0, [0, 4, 8], [], [], late=[late, None], missing=[1, 0])
-        result = comm._partial(_ServerRound("t", op, pending, skipped), torch.full((8,), 3.0))
+        result = comm._partial(_ServerRound("t", op, pending, skipped), torch.full((8,), 3.0),
+                               torch.arange(8))
         assert isinstance(result, PartialSum) and result.contributors == (3, 4)
         factor = np.float32(4 / 3) if scaled else 1.0
         assert result.total.tolist() == [3.0 * factor] * 4 + [3.0] * 4
@@ -401,7 +393,7 @@ def test_each_shards_sum_is_scaled_and_owed_as_partial_says(partial):
             assert result.owed is None
     full = PendingRound("t", 0, [0, 4, 8], [], [], late=[None, None], missing=[0, 0])
     total = torch.ones(8)
-    assert comm._partial(_ServerRound("t", op, full), total) is total
+    assert comm._partial(_ServerRound("t", op, full), total, torch.arange(8)) is total
     with pytest.raises(ValueError, match="partial must be one of unscaled"):
         ParameterServerCommunicator(SparseOnly(0, 4), _Client(), "s", partial="mean")
 

@@ -107,8 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="rounds timed per configuration (default 20; fewer above 8 "
                         "workers: max(2, rounds * 8 // workers))")
     server.add_argument("--modes", type=_comma_list(str), default=["union"],
-                        help="server modes side by side, comma-separated: union, topk "
-                        "(default union)")
+                        help="server modes side by side, comma-separated: union, topk, "
+                        "gtopk (default union)")
     server.add_argument("--transports", type=_comma_list(str), default=list(ps.TRANSPORTS),
                         help="comma-separated subset of in-process,grpc,mpi (default all)")
 
@@ -257,8 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="seconds before the launch is aborted (default 1800)")
     conv.add_argument("--ps-modes", type=_ps_modes, default=list(converge.PS_MODES),
                       help="server modes of the topk-server-<mode> rows (top-k through a "
-                      "parameter server started for the row): union, topk, both (default "
-                      "union,topk), or none")
+                      "parameter server started for the row), comma-separated: union, "
+                      "topk, gtopk (default union,topk,gtopk), or none")
     return parser
 
 

@@ -72,11 +72,12 @@ class Config:
     policy: dict[str, Any] = field(default_factory=dict)
     warmup_steps: int = 0
     ps_mode: str | None = None
-    """``None``: the collectives' route; ``"union"`` or ``"topk"``: the sparse pairs go
-    through a parameter server of that ``--mode`` started for this configuration."""
+    """``None``: the collectives' route; a server mode (``ps_server.store.MODES``): the
+    sparse pairs go through a parameter server of that ``--mode`` started for this
+    configuration."""
 
 
-PS_MODES = ("union", "topk")
+PS_MODES = ("union", "topk", "gtopk")
 """The server modes of the ``topk-server-<mode>`` rows by default (``ps_server.store.MODES``)."""
 
 

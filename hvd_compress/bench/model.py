@@ -120,6 +120,9 @@ runs, :meth:`~hvd_compress.comm.shm.ShmHostCommunicator.wait_sum`)."""
 
 ROUTES = ("native", "allgather", "ps")
 SPLITS = ("rounds", "slices", "tensors")
+SERVER_MODES = ("union", "topk", "gtopk")
+"""The servers' ``--mode`` values (``ps_server.rounds.MODES``, which this module does not
+import)."""
 """Two-level routes (:func:`two_level_split`; module docstring)."""
 
 
@@ -246,7 +249,8 @@ class Job:
         route: ``native`` (each round as the scheme asks), ``allgather`` (the same: sparse
             rounds by all-gather) or ``ps`` (sparse rounds through a parameter server).
         shards: server shards, each on its own host link. server_mode: ``union`` (a pull
-            carries the union of the pushes) or ``topk`` (re-sparsified to one push's size).
+            carries the union of the pushes), ``topk`` or ``gtopk`` (re-sparsified to one
+            push's size).
         fusion_bytes: the largest fused collective (Horovod's fusion threshold, DDP's
             bucket); a round's requests above it take more collectives.
         element_bytes: bytes per element of a dense all-reduce: 4, or 2 for float16 cast
@@ -285,8 +289,9 @@ class Job:
             raise ValueError(f"element_bytes must be 2 or 4, got {self.element_bytes}")
         if self.route not in ROUTES:
             raise ValueError(f"route must be one of {', '.join(ROUTES)}, got {self.route!r}")
-        if self.server_mode not in ("union", "topk"):
-            raise ValueError(f"server_mode must be union or topk, got {self.server_mode!r}")
+        if self.server_mode not in SERVER_MODES:
+            raise ValueError(f"server_mode must be one of {', '.join(SERVER_MODES)}, got "
+                             f"{self.server_mode!r}")
         if self.shards < 1:
             raise ValueError(f"shards must be >= 1, got {self.shards}")
 
@@ -417,10 +422,10 @@ def host_bytes(kind_: str, payload: float, ranks: int, per_host: int) -> float:
 
 
 def pull_bytes(push: float, numel: int, density_pairs: float, workers: int, mode: str) -> float:
-    """A pull's bytes: ``topk`` mode one push's size; ``union`` the expected union of
+    """A pull's bytes: the top-k modes one push's size; ``union`` the expected union of
     ``workers`` independent pushes of ``density_pairs`` pairs among ``numel`` elements,
     ``numel (1 - (1 - k / numel) ** workers)`` pairs, at the push's bytes per pair."""
-    if mode == "topk" or density_pairs <= 0:
+    if mode in ("topk", "gtopk") or density_pairs <= 0:
         return push
     union = numel * (1 - (1 - min(density_pairs / numel, 1.0)) ** workers)
     return push * union / density_pairs
@@ -1095,7 +1100,7 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--route", choices=ROUTES, default="native",
                    help="sparse rounds by all-gather (native, allgather) or a server (ps)")
     p.add_argument("--shards", type=int, default=1, help="server shards (default 1)")
-    p.add_argument("--server-mode", choices=["union", "topk"], default="union")
+    p.add_argument("--server-mode", choices=SERVER_MODES, default="union")
     p.add_argument("--fp16-ring", action="store_true",
                    help="with --scheme none: float16 in a ring all-reduce (stock fp16)")
     p.add_argument("--compute-s", type=float, default=0.0,

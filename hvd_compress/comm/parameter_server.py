@@ -85,6 +85,12 @@ class ParameterServerCommunicator:
 
     docs/reliability.md#stragglers has the accuracy of each and the step times.
 
+    From a ``--mode gtopk`` server (each shard's aggregate the global top-k of the sum, a
+    :attr:`~hvd_compress.sparse_wire.Kind.SELECTED` frame), ``wait`` returns a
+    :class:`PartialSum` whose refused pairs are this worker's pairs outside the
+    aggregate's indices: the sparse schemes keep them in their residual, so what the
+    server left out is sent again in a later round by the workers that pushed it.
+
     A late refusal names the round ``R`` the server has open, so the worker knows that
     every round before ``R`` closed without it: for those, ``start`` sends no push (a
     pull only) and ``wait`` returns the closed round's aggregate as a :class:`PartialSum`
@@ -157,17 +163,22 @@ class ParameterServerCommunicator:
         device = handle.op.values.device
         # One part: the servers' aggregate, already summed in worker order.
         parts = pairs_to_device([(indices.numpy(), values.numpy())], device)
-        return self._partial(handle, sum_pairs(handle.op.numel, parts, device))
+        return self._partial(handle, sum_pairs(handle.op.numel, parts, device), indices)
 
-    def _partial(self, handle: _ServerRound, total: torch.Tensor
+    def _partial(self, handle: _ServerRound, total: torch.Tensor, summed: torch.Tensor
                  ) -> torch.Tensor | PartialSum:
-        """``total`` as it is when every shard summed all workers including this one;
-        else a :class:`PartialSum` as ``partial`` says (scaled, and what this worker
-        owes)."""
+        """``total`` as it is when every shard summed all workers including this one and
+        every pair this worker pushed; else a :class:`PartialSum` as ``partial`` says
+        (scaled, and what this worker owes), refusing the pairs outside a selected
+        aggregate's indices ``summed`` (``--mode gtopk``) too."""
         pending = handle.pending
         counts = tuple(self.size - missing for missing in pending.missing)
         refused = torch.ones_like(handle.op.indices, dtype=torch.bool) if handle.skipped \
             else pending.refused(handle.op.indices)
+        if not handle.skipped:
+            unselected = pending.unselected(handle.op.indices, summed)
+            if unselected is not None:
+                refused = unselected if refused is None else refused | unselected
         if refused is None and min(counts) >= self.size:
             return total
         owed = None

@@ -75,6 +75,7 @@ _SPARSE_SIGNATURES: dict[str, tuple] = {
     "merge_sum": (_c_int64, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_ptr),
     "crc32": (_c_int64, _c_ptr, _c_int64),
     "topk": (_c_ptr, _c_int64, _c_ptr, _c_ptr, _c_int64, _c_int64, _c_ptr, _c_ptr),
+    "select_largest": (_c_ptr, _c_ptr, _c_int64, _c_int64, _c_ptr, _c_ptr),
     "round": (_c_int64, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_int64,
               _c_int64, _c_ptr, _c_ptr),
     "frame_encode": (_c_ptr, _c_int64, _c_ptr, _c_ptr, _c_int64, _c_int64, _c_int64, _c_ptr),

@@ -1,6 +1,7 @@
 """numpy front end of the parameter server's native round (``sparse.cpp``): the sum of a
-round's pushes, mode ``topk``'s re-sparsification with the server residual, and the
-aggregate frame, each in one native call with no Python work per pair.
+round's pushes, mode ``topk``'s re-sparsification with the server residual, mode
+``gtopk``'s selection from the sum, and the aggregate frame, each in one native call with
+no Python work per pair.
 
 The contract is :mod:`ps_server.rounds`'s, bit for bit: these functions return what its
 numpy route returns (``tests/test_ps_native_round.py`` checks both agree). Each returns
@@ -23,7 +24,8 @@ from hvd_compress.native.pool import POOL as _POOL
 from hvd_compress.native.sparse import MAX_VARINT_BYTES, MERGE_SLACK
 
 NON_FINITE = -2
-"""What ``hvdc_round`` and ``hvdc_topk`` return when ``s = residual + sum`` is not finite."""
+"""What ``hvdc_round`` and ``hvdc_topk`` return when ``s = residual + sum`` is not finite
+(``hvdc_select_largest``: when the sum is not)."""
 
 _new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
 _new_bytes.restype, _new_bytes.argtypes = ctypes.py_object, (ctypes.c_void_p, ctypes.c_ssize_t)
@@ -172,6 +174,25 @@ def topk(residual: np.ndarray, indices: np.ndarray, values: np.ndarray, k: int
         raise ValueError("the union sum's indices must be strictly increasing")
     if status == NON_FINITE:
         return _dense_sum(residual, indices, values)
+    return out_idx[:status], out_val[:status]
+
+
+def select_largest(indices: np.ndarray, values: np.ndarray, k: int) -> Pairs | None:
+    """Mode gtopk's aggregate from a round's union sum: its ``k`` pairs of largest
+    ``|value|`` (of equal ones, the lower indices), in index order; the whole sum when a
+    value is not finite. None if not native."""
+    lib = _lib()
+    if lib is None:
+        return None
+    indices = np.ascontiguousarray(indices, dtype=np.int64)
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    k = max(0, min(k, indices.size))
+    out_idx = np.empty(k, dtype=np.int64)
+    out_val = np.empty(k, dtype=np.float32)
+    status = lib.hvdc_select_largest(_ptr(indices), _ptr(values), indices.size, k,
+                                     _ptr(out_idx), _ptr(out_val))
+    if status == NON_FINITE:
+        return indices, values
     return out_idx[:status], out_val[:status]
 
 

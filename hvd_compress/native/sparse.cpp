@@ -503,6 +503,100 @@ int64_t hvdc_topk(float* residual, int64_t numel, const int64_t* u_idx, const fl
     return hvdc_topk_bounded(residual, numel, nullptr, u_idx, u_val, n, k, out_idx, out_val);
 }
 
+// Mode gtopk's aggregate (ps_server/rounds.py): of a union sum's n pairs (u_idx strictly
+// increasing), the k with the largest |u_val| (of equal ones, the lower indices), in index
+// order, into out_idx and out_val. No residual: the pairs left out stay with the workers
+// that pushed them. Returns how many were written (min(k, n)), or -2 if a value is not
+// finite (nothing written: the caller answers the whole sum).
+//
+// One pass over the sum keeps the candidates, the pairs whose magnitude reaches a guess
+// below the k-th (from kSample evenly spaced pairs, lowered by three standard deviations
+// of the sample's count); the exact k-th and the winners come from the candidates alone,
+// about k(1 + 3 / sqrt(k kSample / n)) of them. A guess that let fewer than k through
+// (the sample misled) makes every pair a candidate: the same result, slower.
+int64_t hvdc_select_largest(const int64_t* u_idx, const float* u_val, int64_t n, int64_t k,
+                            int64_t* out_idx, float* out_val) {
+    if (n <= 0) return 0;
+    Scratch& w = scratch();
+    k = std::max<int64_t>(0, std::min(k, n));
+    uint32_t guess = 0;
+    if (k > 0 && k < n && n >= 4 * kSample && n < (int64_t(1) << 31)) {
+        std::vector<uint32_t>& sample = w.sample;
+        sample.resize(size_t(kSample));
+        for (int64_t c = 0; c < kSample; ++c) sample[size_t(c)] = magnitude(u_val[c * n / kSample]);
+        const double expected = double(k) * double(kSample) / double(n);
+        const int64_t rank = std::min<int64_t>(
+            kSample, int64_t(expected + 3.0 * std::sqrt(expected)) + 1);
+        std::nth_element(sample.begin(), sample.begin() + (rank - 1), sample.end(),
+                         std::greater<uint32_t>());
+        guess = sample[size_t(rank - 1)];
+    }
+    // The candidates' magnitudes and positions (32-bit: n < 2**31 when guessing), and the
+    // largest magnitude of all, for the non-finite check.
+    uint32_t* const cmag = w.cand_mag.ensure(n + 16);
+    uint32_t* const cpos = w.own.ensure(n + 16);
+    int64_t count = 0, j = 0;
+    uint32_t worst = 0;
+    if (guess > 0) {
+#if defined(__AVX512F__)
+        const __m512i low = _mm512_set1_epi32(int(guess)), abs = _mm512_set1_epi32(0x7FFFFFFF);
+        __m512i most = _mm512_setzero_si512();
+        __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512i step = _mm512_set1_epi32(16);
+        for (; j + 16 <= n; j += 16) {  // compressed in a register, stored whole: the slack
+            const __m512i m = _mm512_and_si512(_mm512_loadu_si512(u_val + j), abs);
+            most = _mm512_max_epu32(most, m);
+            const __mmask16 hit = _mm512_cmpge_epu32_mask(m, low);
+            _mm512_storeu_si512(cmag + count, _mm512_maskz_compress_epi32(hit, m));
+            _mm512_storeu_si512(cpos + count, _mm512_maskz_compress_epi32(hit, at));
+            count += __builtin_popcount(hit);
+            at = _mm512_add_epi32(at, step);
+        }
+        worst = _mm512_reduce_max_epu32(most);
+#endif
+        for (; j < n; ++j) {
+            const uint32_t m = magnitude(u_val[j]);
+            worst = std::max(worst, m);
+            cmag[count] = m;
+            cpos[count] = uint32_t(j);
+            count += m >= guess;
+        }
+    } else {
+        for (; j < n; ++j) worst = std::max(worst, magnitude(u_val[j]));
+    }
+    if (worst >= kNonFinite) return -2;
+    if (k == n) {
+        std::memcpy(out_idx, u_idx, size_t(n) * sizeof(int64_t));
+        std::memcpy(out_val, u_val, size_t(n) * sizeof(float));
+        return n;
+    }
+    if (k == 0) return 0;
+    const bool all = count < k;  // no guess, or one too high: every pair is a candidate
+    uint32_t* const mag = all ? w.mag.ensure(n) : cmag;
+    if (all) {
+        for (int64_t i = 0; i < n; ++i) mag[i] = magnitude(u_val[i]);
+        count = n;
+    }
+    const uint32_t kth = kth_largest(count, mag, k, w.hist);
+    int64_t above = 0;
+    for (int64_t c = 0; c < count; ++c) above += mag[c] > kth;
+    // Every candidate above the k-th and the first (k - above) equal to it, each written
+    // and kept when it wins (no branch per pair); past the k-th winner, into a sink.
+    int64_t ties = k - above, written = 0, sink_idx;
+    float sink_val;
+    for (int64_t c = 0; c < count; ++c) {
+        const int64_t at = all ? c : int64_t(cpos[c]);
+        const bool tie = mag[c] == kth && ties > 0;
+        const bool win = mag[c] > kth || tie;
+        ties -= tie;
+        const bool room = written < k;
+        *(room ? out_idx + written : &sink_idx) = u_idx[at];
+        *(room ? out_val + written : &sink_val) = u_val[at];
+        written += win;
+    }
+    return written;
+}
+
 // Error codes of hvdc_varint_decode (sparse_wire.py turns them into messages).
 enum : int64_t {
     kTruncated = -1,     // the section ends inside a varint, or bytes remain after `count`

@@ -111,7 +111,8 @@ class DGC(Scheme):
         k = sparse_count(self.density(ctx.step), v.numel())
         indices = self.select(v, k, ctx)
         request = SparseSum("sparse", v.numel(), indices, v[indices].to(self._dtype))
-        # Pairs a server quorum refused as late count as not sent (counted_pairs).
+        # Pairs a server refused (a late push) or left out (--mode gtopk) count as not
+        # sent (counted_pairs).
         total, indices, values = counted_pairs((yield request), indices, request.values)
         # What was not sent stays in v: nothing of the selected entries with fp32 values,
         # their rounding error with fp16.

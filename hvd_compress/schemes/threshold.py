@@ -131,7 +131,8 @@ class Threshold(Scheme):
         flat = x.reshape(-1)
         indices = self.select(flat, ctx)
         request = SparseSum("sparse", flat.numel(), indices, flat[indices].to(self._dtype))
-        # Pairs a server quorum refused as late stay in the residual (counted_pairs).
+        # Pairs a server refused (a late push) or left out (--mode gtopk) stay in the
+        # residual (counted_pairs).
         total, indices, values = counted_pairs((yield request), indices, request.values)
         sent = Scattered(indices, values, x.shape)
         return Outcome(total.view_as(x), sent, nbytes(request))

@@ -157,7 +157,8 @@ class TopK(Scheme):
         if isinstance(result, SummedPairs):  # gathered frames: the sum kept as its pairs
             return Outcome(Scattered(result.indices, result.values, x.shape),
                            Scattered(indices, request.values, x.shape), nbytes(request))
-        # Pairs a server quorum refused as late stay in the residual (counted_pairs).
+        # Pairs a server refused (a late push) or left out (--mode gtopk) stay in the
+        # residual (counted_pairs).
         total, indices, values = counted_pairs(result, indices, request.values)
         sent = Scattered(indices, values, x.shape)
         return Outcome(total.view_as(x), sent, nbytes(request))

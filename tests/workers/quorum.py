@@ -9,6 +9,7 @@ over workers) can be checked with ``==``. Run as a script
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -98,6 +99,26 @@ def run(address: str, rank: int, size: int, steps: int,
             "residual": np.zeros(SHAPE, np.float32) if residual is None else
             residual.numpy().reshape(SHAPE), "aggregates": aggregates,
             "rounds": comm.rounds, "skipped": skipped}
+
+
+def run_in_threads(address: str, size: int, steps: int,
+                   before_step: Callable[[int, int], None] = lambda rank, step: None,
+                   skip: bool = False, partial: str = DEFAULT_PARTIAL
+                   ) -> dict[int, dict[str, Any]]:
+    """:func:`run` for ranks ``0..size-1``, each on its own thread (``before_step`` takes
+    the rank and the step); each finished rank's result, by rank."""
+    results: dict[int, dict[str, Any]] = {}
+
+    def work(rank: int) -> None:
+        results[rank] = run(address, rank, size, steps, lambda s: before_step(rank, s), skip,
+                            partial)
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return results
 
 
 def main(argv: list[str]) -> None:

@@ -114,7 +114,10 @@ class PendingRound:
 
     ``late[s]``: the server's message when shard ``s`` refused the push as late (its pairs
     are in no aggregate), else None. ``missing[s]``: after :meth:`~ShardedClient.finish`,
-    how many workers shard ``s``'s aggregate does not sum (0 for none)."""
+    how many workers shard ``s``'s aggregate does not sum (0 for none); ``selected[s]``:
+    whether shard ``s`` answered a :attr:`~hvd_compress.sparse_wire.Kind.SELECTED`
+    aggregate (``--mode gtopk``), which leaves this worker the pairs it pushed elsewhere
+    (:meth:`unselected`)."""
 
     tensor: str
     round: int
@@ -125,6 +128,7 @@ class PendingRound:
     pulled: list[Future[bytes]] = field(default_factory=list)
     late: list[str | None] = field(default_factory=list)
     missing: list[int] = field(default_factory=list)
+    selected: list[bool] = field(default_factory=list)
     pull_only: bool = False  # skipped: no push was sent (``pushes`` holds none)
 
     def closed_before(self) -> int:
@@ -147,6 +151,23 @@ class PendingRound:
         return mask
 
 
+    def unselected(self, indices: torch.Tensor, aggregate: torch.Tensor
+                   ) -> torch.Tensor | None:
+        """A mask of this worker's pushed ``indices`` (flat, on any device) that fall in
+        shards which answered a selected aggregate and are not among its ``aggregate``
+        indices (flat, as :meth:`ShardedClient.finish` returns them): pairs no aggregate
+        holds, which the worker keeps in its residual. None when no shard selected."""
+        if not any(self.selected):
+            return None
+        mask = ~torch.isin(indices, aggregate.to(indices.device))
+        if all(self.selected):
+            return mask
+        for s, chosen in enumerate(self.selected):
+            if not chosen:  # a union shard sums every pushed pair
+                mask &= (indices < self.bounds[s]) | (indices >= self.bounds[s + 1])
+        return mask
+
+
 @dataclass(frozen=True)
 class PartialSum:
     """A :class:`~hvd_compress.comm.ops.SparseSum`'s result when a server quorum closed
@@ -156,7 +177,8 @@ class PartialSum:
     ``ParameterServerCommunicator(partial="unscaled")``, shard ``s``'s slice multiplied
     by ``W / contributors[s]``, so averaging over ``W`` gives the mean over the workers
     that contributed). ``refused``: a mask over this rank's pairs (in the order of the request)
-    that no aggregate holds (its push was late), None when every pair was summed;
+    that no aggregate holds (its push was late, or a ``--mode gtopk`` server left them out),
+    None when every pair was summed;
     ``contributors``: the workers summed, per shard; ``owed``: flat, what ``total``'s
     scaling stood in for this rank (``partial="owed"`` or ``"refund"``), which its
     residual gives up, or None. A scheme passes it through :func:`counted_pairs` and
@@ -264,10 +286,12 @@ class ShardedClient(ABC):
                 raise self._error(tensor, round, s, "DATA_LOSS", f"bad aggregate: {err}"
                                   ) from err
             got = (frame.kind, frame.tensor, frame.round, frame.shard, frame.numel)
-            want = (Kind.AGGREGATE, tensor, round, s, bounds[s + 1] - bounds[s])
+            kind = Kind.SELECTED if frame.kind is Kind.SELECTED else Kind.AGGREGATE
+            want = (kind, tensor, round, s, bounds[s + 1] - bounds[s])
             if got != want:
                 raise self._error(tensor, round, s, "DATA_LOSS",
                                   f"aggregate frame is for {got}, expected {want}")
+            pending.selected.append(kind is Kind.SELECTED)
             all_idx.append(frame.indices + bounds[s])
             all_val.append(frame.values.astype(np.float32))
             pending.missing.append(missing_of(frame.worker))
