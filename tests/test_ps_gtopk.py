@@ -6,6 +6,8 @@ of all gradients exactly, and a pull carries one push's pairs whatever the worke
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -17,7 +19,7 @@ from hvd_compress.sparse_wire import Kind, decode_frame, encode_frame
 from ps_server import grpc_transport
 from ps_server.rounds import aggregate, close_pushes, new_state
 from ps_server.service import ShardService
-from ps_server.store import ShardStore
+from ps_server.store import Quorum, ShardStore
 from tests.test_ps_native_round import serve_rounds
 from tests.workers import quorum as worker
 
@@ -144,9 +146,11 @@ def test_the_unselected_pairs_are_those_outside_a_selected_shards_aggregate():
     assert pending.unselected(pushed, summed) is None
 
 
-@pytest.fixture
-def gtopk_server():
-    store = ShardStore(3, 0, 1, "gtopk", deadline=30.0)
+@pytest.fixture(params=[None, Quorum(3, 2, 0.15)], ids=["full", "quorum"])
+def gtopk_server(request):
+    """A gRPC server in process for 3 workers, every round full or closed by a quorum of 2
+    after 0.15 s."""
+    store = ShardStore(3, 0, 1, "gtopk", deadline=30.0, quorum=request.param)
     service = ShardService(store)
     server, port = grpc_transport.serve(service, "127.0.0.1:0", 30.0)
     yield store, f"127.0.0.1:{port}"
@@ -157,13 +161,21 @@ def gtopk_server():
 def test_topk_workers_through_a_gtopk_server_lose_no_gradient_mass(gtopk_server):
     """Three top-k workers (integer gradients, 5% of 4096 entries each) for 12 rounds: each
     round's aggregate holds at most one push's count of pairs, so pairs are left out;
-    those stay in their workers' residuals. Every worker applies the same aggregates, and
-    the gradients' sum equals the applied sums plus every residual, exactly."""
+    those stay in their workers' residuals. With a quorum, worker 2 stalls for 1 s once:
+    rounds close without it and its late push stays in its residual too (the default
+    ``owed``: the aggregate scaled, the stand-in owed). Every worker applies the same
+    aggregates, and the gradients' sum equals the applied sums plus every residual,
+    exactly."""
     store, address = gtopk_server
     steps = 12
-    results = worker.run_in_threads(address, 3, steps)
+
+    def stall(rank: int, step: int) -> None:  # with a quorum, rank 2 is late at step 3
+        time.sleep(1.0 if store.quorum.partial and rank == 2 and step == 3 else 0.05)
+
+    results = worker.run_in_threads(address, 3, steps, stall)
     assert sorted(results) == [0, 1, 2]
     assert store.closed_rounds == steps
+    assert (store.late_pushes >= 1) == store.quorum.partial
     k = sparse_count(worker.RATIO, int(np.prod(worker.SHAPE)))  # a push's pairs
     for rank in (0, 1, 2):
         assert len(results[rank]["aggregates"]) == steps
