@@ -150,7 +150,6 @@ class PendingRound:
                 mask = inside if mask is None else mask | inside
         return mask
 
-
     def unselected(self, indices: torch.Tensor, aggregate: torch.Tensor
                    ) -> torch.Tensor | None:
         """A mask of this worker's pushed ``indices`` (flat, on any device) that fall in
