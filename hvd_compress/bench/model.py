@@ -523,7 +523,7 @@ class Model:
         sent, kinds, payloads = 0.0, [], list(prof.payloads(coding))
         if _route_scheme(job.scheme, route).name == "none":
             payloads = [b * job.element_bytes / 4 for b in payloads]
-        true = ring = served = summed = 0.0
+        true = ring = server_bytes = summed = 0.0
         # rounds: each local rank all-reduces 1 / L of every request across the hosts
         across = 1 / c.per_host if self.rounds else 1.0
         for what, full in zip(prof.kinds, payloads, strict=True):
@@ -531,7 +531,7 @@ class Model:
             if what == SPARSE and job.route == "ps":
                 busiest, summing = self._server_round(payload, shape, peers)
                 sent += sharing * busiest
-                served += sharing * busiest
+                server_bytes += sharing * busiest
                 true += sharing * (1 if job.two_level else c.per_host) * payload
                 codec += summing
                 summed += summing
@@ -547,7 +547,7 @@ class Model:
             kinds.append(what)
         self.true_bytes[(name, route)] = true
         self.rank_bytes[(name, route)] = ring
-        self.server_sent[(name, route)] = served
+        self.server_sent[(name, route)] = server_bytes
         self.summing[(name, route)] = summed
         return RouteCost(codec, sent, tuple(kinds), tuple(payloads))
 
@@ -609,9 +609,9 @@ class Model:
         # the exchange: every route's seconds, a cycle per round and kind (not the
         # per-collective latency of cost_model.predict, which Compression.auto uses), and
         # each server round's own fixed cost
-        served = sum(costs[n][r].kinds.count(SERVER) for n, r in routes.items())
+        server_rounds = sum(costs[n][r].kinds.count(SERVER) for n, r in routes.items())
         exchange = sum(costs[n][r].seconds(link) for n, r in routes.items()) + \
-            c.cycle_s * cycles + c.server_round_s * served
+            c.cycle_s * cycles + c.server_round_s * server_rounds
         hop = c.latency_s * sum(hops(k, self._peers()) for k in kinds + fused)
         intra = self._intra_seconds(costs, routes)
         inside = self._in_host_collectives(cycles, kinds, fused)
@@ -620,7 +620,7 @@ class Model:
                  "transfer": sum(costs[n][r].send_bytes for n, r in routes.items())
                  * link.seconds_per_byte,
                  "collectives": c.cycle_s * cycles + hop + inside, "intra": intra,
-                 "server_rounds": c.server_round_s * served}
+                 "server_rounds": c.server_round_s * server_rounds}
         sent = sum(self.true_bytes[(n, r)] for n, r in routes.items())
         wire = terms["transfer"]
         cpu = sent * c.cpu_s_per_byte if c.overlap else 0.0
@@ -639,11 +639,11 @@ class Model:
         c = self.cluster
         if c.contention <= 1:
             return 0.0
-        served = sum(self.server_sent[(n, r)] for n, r in routes.items())
+        server_bytes = sum(self.server_sent[(n, r)] for n, r in routes.items())
         summing = sum(self.summing[(n, r)] for n, r in routes.items())
         cpu = terms["compute"] + terms["passes"] + terms["codec"] - summing + (
             terms["intra"] if c.intra_shm else 0.0)  # shared memory: passes on the cores
-        return min(served * link.seconds_per_byte, cpu * (1 - 1 / c.contention))
+        return min(server_bytes * link.seconds_per_byte, cpu * (1 - 1 / c.contention))
 
     def _in_host_collectives(self, rounds: int, kinds: Sequence[str],
                              fused: Sequence[str]) -> float:
