@@ -561,9 +561,20 @@ int64_t hvdc_select_largest(const int64_t* u_idx, const float* u_val, int64_t n,
             cpos[count] = uint32_t(j);
             count += m >= guess;
         }
-    } else {
-        for (; j < n; ++j) worst = std::max(worst, magnitude(u_val[j]));
     }
+    // Without a guess (or with one that let fewer than k through) every pair is a
+    // candidate, its magnitude written once, by the same pass as the non-finite check.
+    uint32_t* mag = cmag;
+    auto every_pair = [&]() {
+        mag = w.mag.ensure(n);
+        for (int64_t i = 0; i < n; ++i) {
+            mag[i] = magnitude(u_val[i]);
+            worst = std::max(worst, mag[i]);
+        }
+        count = n;
+    };
+    bool all = guess == 0;
+    if (all) every_pair();
     if (worst >= kNonFinite) return -2;
     if (k == n) {
         std::memcpy(out_idx, u_idx, size_t(n) * sizeof(int64_t));
@@ -571,11 +582,9 @@ int64_t hvdc_select_largest(const int64_t* u_idx, const float* u_val, int64_t n,
         return n;
     }
     if (k == 0) return 0;
-    const bool all = count < k;  // no guess, or one too high: every pair is a candidate
-    uint32_t* const mag = all ? w.mag.ensure(n) : cmag;
-    if (all) {
-        for (int64_t i = 0; i < n; ++i) mag[i] = magnitude(u_val[i]);
-        count = n;
+    if (!all && count < k) {  // the sample misled
+        every_pair();
+        all = true;
     }
     const uint32_t kth = kth_largest(count, mag, k, w.hist);
     int64_t above = 0;
