@@ -539,17 +539,16 @@ def spread(times: Sequence[float]) -> float:
 
 
 def tail_excess(row: Row) -> dict[str, float] | None:
-    """Where the slow steps lose their time: over the steps slower than the row's p90, the
-    mean excess of each phase (:data:`PHASES`) over that phase's median, in seconds; None
-    for a row without per-step phases."""
+    """Where the slow steps lose their time: over the steps at or above the row's p90 (never
+    none: the p90 is one of the steps, and the slowest steps may tie), the mean excess of
+    each phase (:data:`PHASES`) over that phase's median, in seconds; None for a row
+    without per-step phases."""
     phases = row.get("step_phases_s")
     times = row["step_times_s"]
     if not phases or len(phases) != len(times):
         return None
     medians = [statistics.median(p[i] for p in phases) for i in range(len(PHASES))]
-    tail = [p for p, t in zip(phases, times) if t > row["step_p90_s"]]
-    if not tail:
-        return None
+    tail = [p for p, t in zip(phases, times) if t >= row["step_p90_s"]]
     return {name: sum(p[i] for p in tail) / len(tail) - medians[i]
             for i, name in enumerate(PHASES)}
 
