@@ -120,10 +120,10 @@ runs, :meth:`~hvd_compress.comm.shm.ShmHostCommunicator.wait_sum`)."""
 
 ROUTES = ("native", "allgather", "ps")
 SPLITS = ("rounds", "slices", "tensors")
+"""Two-level routes (:func:`two_level_split`; module docstring)."""
 SERVER_MODES = ("union", "topk", "gtopk")
 """The servers' ``--mode`` values (``ps_server.rounds.MODES``, which this module does not
 import)."""
-"""Two-level routes (:func:`two_level_split`; module docstring)."""
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ _bytes_data.restype, _bytes_data.argtypes = ctypes.c_void_p, (ctypes.py_object,)
 
 Pairs = tuple[np.ndarray, np.ndarray]
 
+
 def pooled_arrays(pairs: int) -> tuple[np.ndarray, np.ndarray]:
     """Uninitialised int64 and float32 arrays of ``pairs`` elements each (a union sum's),
     sharing one block of :data:`_POOL` (:mod:`hvd_compress.native.pool`)."""
@@ -41,8 +42,6 @@ def pooled_arrays(pairs: int) -> tuple[np.ndarray, np.ndarray]:
         return np.empty(pairs, np.int64), np.empty(pairs, np.float32)
     lent = _POOL.lend(12 * pairs)
     return lent[:8 * pairs].view(np.int64), lent[8 * pairs:].view(np.float32)
-
-
 
 
 BOUND_BLOCK = 64
