@@ -527,6 +527,24 @@ def test_cluster_spec_suffixes_round_trip_through_the_row_label(spec: str) -> No
         split_spec(f"{spec}@hosts")
 
 
+@pytest.mark.parametrize("times", [[0.1, 0.2, 0.3, 0.5, 0.5], [0.2] * 4, [0.1, 0.4]])
+def test_tail_excess_takes_the_slowest_steps_even_when_they_tie(times: list[float]) -> None:
+    """The tail is the steps at or above the row's p90, which is one of the steps: never
+    empty, however the slowest steps tie; each phase's excess is over its own median."""
+    from hvd_compress.bench.cluster import tail_excess
+    from hvd_compress.bench.cluster_rank import p90
+
+    phases = [(0.01, t - 0.02, 0.01) for t in times]  # the time all in backward
+    row = {"step_times_s": times, "step_phases_s": phases, "step_p90_s": p90(times)}
+    excess = tail_excess(row)
+    slowest = [t for t in times if t >= p90(times)]
+    median = sorted(times)[len(times) // 2] if len(times) % 2 else \
+        sum(sorted(times)[len(times) // 2 - 1:len(times) // 2 + 1]) / 2
+    assert excess == pytest.approx({"forward": 0.0, "step": 0.0,
+                                    "backward": sum(slowest) / len(slowest) - median})
+    assert tail_excess({**row, "step_phases_s": None}) is None
+
+
 def test_cluster_targets_compare_the_hook_with_our_powersgd_at_its_bytes() -> None:
     """The hook's target applies to our PowerSGD at its rank and start, and to
     ``alternate=True`` at twice the rank (the same bytes per step), nothing else."""
