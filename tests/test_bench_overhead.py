@@ -54,6 +54,58 @@ def test_the_stand_in_bucket_is_what_powersgd_hook_works_on(tmp_path: Path) -> N
     assert done.stdout.strip().endswith("ok")
 
 
+ROUNDS_WORKER = """
+import json
+import torch
+import torch.distributed as dist
+from hvd_compress import Compression
+from hvd_compress.bench.cluster_rank import MODELS, RoundsOnly, _loss, rounds_only_hook
+from hvd_compress.bench.overhead import OneBucket, one_rank_world
+from hvd_compress.comm.horovod_torch import HorovodTorchCommunicator
+from hvd_compress.pipeline import Pipeline
+
+with one_rank_world():
+    workload = MODELS["transformer"]
+    model = workload.build(0)
+    inputs, target = workload.batch(torch.Generator().manual_seed(0))
+    _loss(model(inputs), target).backward()
+    named = [(n, p.grad.detach().clone()) for n, p in model.named_parameters()][::-1]
+    scheme = Compression.powersgd(rank=4, start_iter=1)
+    pipeline = Pipeline(scheme, HorovodTorchCommunicator(None))
+    pipeline.plan([n for n, _ in named], [g.shape for _, g in named])
+    for _ in range(2):  # the second step is compressed
+        for name, grad in named:
+            pipeline.submit(name, grad)
+        pipeline.wait()
+    sent = []
+    all_reduce = dist.all_reduce
+    def record(tensor, *args, **kwargs):
+        sent.append(tensor.element_size() * tensor.numel())
+        return all_reduce(tensor, *args, **kwargs)
+    dist.all_reduce = record
+    bucket = OneBucket([g for _, g in named])
+    out = rounds_only_hook(RoundsOnly(scheme), bucket).wait()
+    print(json.dumps({"ours": pipeline.last_step.collective_bytes, "floor": sent,
+                      "zeros": not out.any().item(),
+                      "in_place": out.data_ptr() == bucket.buffer().data_ptr()}))
+"""
+
+
+@pytest.mark.multiprocess
+def test_the_rounds_floor_sends_what_our_powersgd_sends() -> None:
+    """``bench cluster``'s ``rounds-powersgd`` floor on the transformer's gradients: its
+    two all-reduces carry the bytes of our pipeline's rounds at the same rank, the dense
+    tensors with every ``P`` and then every ``Q``, and the bucket comes back as zeros."""
+    done = subprocess.run([sys.executable, "-c", ROUNDS_WORKER], capture_output=True,
+                          text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    ours = result["ours"]
+    assert set(ours) == {"dense", "P", "Q"}
+    assert result["floor"] == [ours["dense"] + ours["P"], ours["Q"]]
+    assert result["zeros"] and result["in_place"]
+
+
 @pytest.mark.multiprocess
 def test_overhead_bench_times_every_system_side_by_side(tmp_path: Path) -> None:
     """The harness, in a process of its own: each system trains the model, our optimizer's

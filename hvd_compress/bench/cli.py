@@ -171,9 +171,11 @@ def build_parser() -> argparse.ArgumentParser:
                       "(hierarchy='host') "
                       f"(default: {' '.join(cluster.DEFAULT_SCHEMES)})")
     clus.add_argument("--ddp", nargs="*", choices=["none", "fp16"] + [
-        s for s in cluster.DDP_SCHEMES if "powersgd" in s], metavar="SCHEME",
+        s for s in cluster.DDP_SCHEMES if "powersgd" in s] + list(cluster.DDP_FLOORS),
+        metavar="SCHEME",
         help="DDP configurations: none, fp16, powersgd:... (powerSGD_hook), "
-             "batched-powersgd:... (batched_powerSGD_hook) (default: "
+             "batched-powersgd:... (batched_powerSGD_hook), rounds-powersgd:... (a floor: "
+             "our PowerSGD's collectives with nothing computed) (default: "
              f"{' '.join(cluster.DDP_SCHEMES)})")
     clus.add_argument("--horovod", nargs="*", choices=["none", "fp16"],
                       help="stock Horovod configurations (default: none fp16)")

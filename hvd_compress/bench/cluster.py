@@ -12,6 +12,8 @@ trains the same MLP on those hosts, one launch (fresh processes) per configurati
 - PyTorch DDP on Gloo: no hook, ``fp16_compress_hook``, ``powerSGD_hook`` and
   ``batched_powerSGD_hook`` at the same rank
   and start iteration as ours (one bucket: the default buckets can deadlock at 4 ranks);
+  and, when asked for (:data:`DDP_FLOORS`), a floor: our PowerSGD's two rounds with no
+  arithmetic (:class:`~hvd_compress.bench.cluster_rank.RoundsOnly`);
 - stock Horovod: ``Compression.none`` and ``Compression.fp16``, on Horovod's Gloo
   controller (``horovod``), under ``mpirun`` (``horovod-mpi``), and under ``mpirun`` with
   ``HOROVOD_HIERARCHICAL_ALLREDUCE=1`` and ``HOROVOD_HIERARCHICAL_ALLGATHER=1``
@@ -113,6 +115,10 @@ DEFAULT_SCHEMES = ("none", "fp16", "powersgd:rank=4,start_iter=2", "onebit",
                    "auto:powersgd:rank=4,start_iter=2")
 DDP_SCHEMES = ("none", "fp16", "powersgd:rank=4,start_iter=2",
                "batched-powersgd:rank=4,start_iter=2")
+DDP_FLOORS = ("rounds-powersgd:rank=4,start_iter=2",)
+"""``--ddp`` configurations that are floors, not systems, run only when named: what the
+collectives of our PowerSGD at rank 4 take with nothing computed
+(:class:`~hvd_compress.bench.cluster_rank.RoundsOnly`). No target reads them."""
 HOROVOD_SCHEMES = ("none", "fp16")
 HIERARCHICAL = "mpi-hierarchical"
 """Stock Horovod's controller choice for ``mpirun`` with ``HOROVOD_HIERARCHICAL_ALLREDUCE``

@@ -14,7 +14,9 @@ Systems:
 - ``ddp``: PyTorch ``DistributedDataParallel`` on Gloo; scheme ``none`` (no hook),
   ``fp16`` (``fp16_compress_hook``), ``powersgd:rank=R,start_iter=S`` (``powerSGD_hook``)
   or ``batched-powersgd:rank=R,start_iter=S`` (``batched_powerSGD_hook``: the whole
-  bucket as one square matrix).
+  bucket as one square matrix); ``rounds-powersgd:rank=R,start_iter=S`` is not a system
+  but a floor: PowerSGD's collectives at that rank with no arithmetic
+  (:class:`RoundsOnly`).
 - ``horovod``: stock ``horovod.torch.DistributedOptimizer`` with ``Compression.none`` or
   ``Compression.fp16``.
 - ``hvd-compress``: :func:`hvd_compress.torch.DistributedOptimizer` with any scheme,
@@ -53,6 +55,8 @@ from hvd_compress.bench.models import CharTransformer
 BATCH = 32
 BATCHED = "batched-powersgd"
 """DDP's ``batched_powerSGD_hook``: the prefix of its ``ddp`` schemes."""
+ROUNDS = "rounds-powersgd"
+"""The prefix of the ``ddp`` schemes that run :class:`RoundsOnly`."""
 
 
 def make_model(widths: Sequence[int], seed: int = 0) -> nn.Module:
@@ -93,6 +97,60 @@ def _batched_hook_needs_shim(psgd: Any) -> bool:
     orthogonalize.shim = True  # type: ignore[attr-defined]
     psgd._orthogonalize = orthogonalize
     return True
+
+
+class RoundsOnly:
+    """A DDP comm hook's state (one bucket) that sends what our PowerSGD sends, round by
+    round, and computes nothing: the step time of those collectives alone.
+
+    Per step, as :class:`hvd_compress.schemes.powersgd.PowerSGD` through the pipeline with
+    the default :class:`hvd_compress.policy.Policy`: one all-reduce of the tensors sent
+    dense together with every ``P`` (``n r`` floats a matrix), then one of every ``Q``
+    (``m r``). ``powerSGD_hook`` sends its dense tensors in a round of their own, so this
+    is a lower bound of both. No product, no orthogonalisation, no error feedback: the
+    bucket comes back as zeros, so every replica stays as it started (they agree, and
+    nothing is learnt). A PowerSGD row's step over this row's, on the same link in the same
+    run, is what the arithmetic and the bookkeeping cost on the ranks' cores. Every step
+    sends the rounds (``start_iter`` is not read)."""
+
+    def __init__(self, scheme: Any) -> None:
+        self.scheme = scheme
+        self.sizes: dict[int, tuple[int, int]] = {}
+
+    def round_sizes(self, shapes: Sequence[torch.Size]) -> tuple[int, int]:
+        """Floats of the first round (dense tensors and every ``P``) and of the second
+        (every ``Q``)."""
+        from hvd_compress.policy import Policy
+
+        policy, first, second = Policy(), 0, 0
+        for shape in shapes:
+            if not policy.compresses(self.scheme, shape):
+                first += shape.numel()
+                continue
+            n, m = self.scheme.matrix_shape(shape)
+            r = min(self.scheme.rank, n, m)
+            first, second = first + n * r, second + m * r
+        return first, second
+
+
+def rounds_only_hook(state, bucket):  # DDP reads the annotations: none here
+    """:class:`RoundsOnly`'s two all-reduces, the second started once the first is done;
+    the bucket's answer is zeros."""
+    import torch.distributed as dist
+
+    sizes = state.sizes.get(bucket.index())
+    if sizes is None:
+        sizes = state.sizes[bucket.index()] = state.round_sizes(
+            [g.shape for g in bucket.gradients()])
+    first, second = (torch.zeros(n) for n in sizes)
+    buffer = bucket.buffer()
+
+    def second_round(done):
+        done.value()
+        dist.all_reduce(second, async_op=True).get_future().wait()
+        return buffer.zero_()
+
+    return dist.all_reduce(first, async_op=True).get_future().then(second_round)
 
 
 @dataclass(frozen=True)
@@ -236,6 +294,13 @@ class _System:
         from hvd_compress.schemes.powersgd import PowerSGD
 
         batched = scheme.startswith(BATCHED)
+        if scheme.startswith(ROUNDS):
+            spec = Compression.parse(scheme.removeprefix("rounds-"))
+            assert isinstance(spec, PowerSGD)
+            ddp = DistributedDataParallel(model, bucket_cap_mb=1000, init_sync=False)
+            ddp.register_comm_hook(RoundsOnly(spec), rounds_only_hook)
+            return ddp, optimizer, {"hook": rounds_only_hook.__name__, "bucket_cap_mb": 1000,
+                                    "matrix_approximation_rank": spec.rank}
         if scheme.startswith("powersgd") or batched:
             # One bucket: with DDP's default 25 MB buckets the hook's collectives, issued
             # from asynchronous callbacks, can deadlock at 4 ranks.
@@ -261,8 +326,8 @@ class _System:
                 ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
                 settings["hook"] = "fp16_compress_hook"
             elif scheme != "none":
-                raise ValueError(f"ddp runs none, fp16, powersgd or {BATCHED}, not "
-                                 f"{scheme!r}")
+                raise ValueError(f"ddp runs none, fp16, powersgd, {BATCHED} or {ROUNDS}, "
+                                 f"not {scheme!r}")
         return ddp, optimizer, settings
 
     def replicas_agree(self, model: nn.Module) -> bool | None:

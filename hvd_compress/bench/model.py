@@ -864,8 +864,9 @@ float16), applied to its rows only (``reduce_s_per_byte`` to the Gloo controller
 
 
 class UnknownRoute(ValueError):
-    """A two-level row of a ``linear_rounds`` scheme that does not record which route it
-    ran (:func:`row_split`)."""
+    """A row the model does not predict: a two-level row of a ``linear_rounds`` scheme that
+    does not record which route it ran (:func:`row_split`), or a floor row that runs no
+    system (``rounds-powersgd``)."""
 
 
 def row_split(row: Mapping[str, Any]) -> str:
@@ -912,6 +913,10 @@ def row_case(row: Mapping[str, Any], tensors: Mapping[str, tuple[int, ...]],
     else:
         cluster = dataclasses.replace(cluster, reduce_s_per_byte=0.0)
     if system == "ddp":
+        from hvd_compress.bench.cluster_rank import ROUNDS
+
+        if scheme.startswith(ROUNDS):
+            raise UnknownRoute(f"{scheme}: a floor (collectives alone), not a system")
         bucket = float(settings.get("bucket_cap_mb") or 25) * (1 << 20)
         if "powersgd" in scheme:
             coded = sum(math.prod(s) for s in tensors.values() if len(s) > 1)
