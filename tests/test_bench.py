@@ -611,6 +611,33 @@ def test_cluster_targets_take_each_scheme_on_its_faster_route() -> None:
                for line in lines)
 
 
+def test_cluster_report_measures_powersgd_over_its_rounds_alone() -> None:
+    """With a ``rounds-powersgd`` floor row, the report gives per model and link the step
+    0.9x the hook leaves over the floor and each of our PowerSGD rows at the hook's
+    settings over it, on any route; other schemes and other links are left out, and
+    without a floor row there is no such line."""
+    from hvd_compress.bench import cluster
+
+    def row(system: str, scheme: str, step_s: float, link: str = "100mbit"
+            ) -> dict[str, Any]:
+        return {"model": "transformer", "link": link, "system": system, "scheme": scheme,
+                "step_s": step_s}
+
+    spec = "powersgd:rank=4,start_iter=2"
+    rows = [row("ddp", spec, 0.200), row("ddp", f"rounds-{spec}", 0.150),
+            row("hvd-compress", f"{spec}@gloo", 0.170),
+            row("hvd-compress-mpi-gloo", spec, 0.190), row("hvd-compress", "onebit", 0.160),
+            row("ddp", spec, 0.300, "1gbit"), row("hvd-compress", spec, 0.250, "1gbit")]
+    lines = cluster.rounds_floor_lines(rows)
+    assert len(lines) == 1 and lines[0].startswith("- transformer 100mbit:"), lines
+    assert "rounds alone 0.150 s, 0.75 x the hook's 0.200 s" in lines[0]
+    assert "ours may spend 30.0 ms over them" in lines[0]
+    assert f"hvd-compress {spec}@gloo 0.170 s, 20.0 ms over them" in lines[0]
+    assert f"hvd-compress-mpi-gloo {spec} 0.190 s, 40.0 ms over them" in lines[0]
+    assert "onebit" not in lines[0]
+    assert cluster.rounds_floor_lines([r for r in rows if "rounds" not in r["scheme"]]) == []
+
+
 def test_thread_cpu_is_told_apart_by_thread_name() -> None:
     """A row's ``cpu_threads_s_per_step``: a named thread's CPU goes to its name, not to the
     main thread's, per step; a thread that has ended is not counted."""

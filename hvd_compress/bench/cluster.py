@@ -1054,6 +1054,33 @@ def host_bytes_markdown(rows: Sequence[Row]) -> str:
     return "\n".join(lines)
 
 
+def rounds_floor_lines(rows: Sequence[Row]) -> list[str]:
+    """For each model and link with a ``rounds-powersgd`` floor row (:data:`DDP_FLOORS`):
+    the floor's step against DDP's hook at the same settings, the step it leaves our
+    PowerSGD under :data:`HOOK_RATIO` of the hook, and what each of our PowerSGD rows at
+    those settings spends over it (its arithmetic and bookkeeping on the ranks' cores)."""
+    lines = []
+    for floor in rows:
+        if floor["system"] != "ddp" or not floor["scheme"].startswith("rounds-"):
+            continue
+        model, link = floor["model"], floor["link"]
+        hook_spec = floor["scheme"].removeprefix("rounds-")
+        hook = _step(rows, model, link, "ddp", hook_spec)
+        if hook is None:
+            continue
+        budget = HOOK_RATIO * hook["step_s"] - floor["step_s"]
+        ours = [f"{r['system']} {r['scheme']} {r['step_s']:.3f} s, "
+                f"{1000 * (r['step_s'] - floor['step_s']):.1f} ms over them"
+                for r in rows if r["model"] == model and r["link"] == link
+                and r["system"].startswith("hvd-compress")
+                and split_spec(r["scheme"])[0] == hook_spec]
+        lines.append(f"- {model} {link}: rounds alone {floor['step_s']:.3f} s, "
+                     f"{floor['step_s'] / hook['step_s']:.2f} x the hook's "
+                     f"{hook['step_s']:.3f} s; at {HOOK_RATIO:g} x the hook ours may spend "
+                     f"{1000 * budget:.1f} ms over them" + "".join(f"; {o}" for o in ours))
+    return lines
+
+
 def summary(rows: Sequence[Row]) -> str:
     steps, accuracy = step_rows(rows), accuracy_rows(rows)
     measured = steps + accuracy
@@ -1085,5 +1112,8 @@ def summary(rows: Sequence[Row]) -> str:
         if tails:
             out += ["", "Steps slower than p90, mean excess of each phase over its median:",
                     *tails]
+        floors = rounds_floor_lines(steps)
+        if floors:
+            out += ["", "Step over PowerSGD's rounds alone (rounds-powersgd):", *floors]
     return "\n".join(out)
 
