@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hvd_compress.bench.cluster_rank import MODELS, PHASES, p90, parameter_count
+from hvd_compress.bench.cluster_rank import MODELS, PHASES, ROUNDS, p90, parameter_count
 from hvd_compress.bench.hosts import (
     emulated_hosts,
     host_command,
@@ -1061,10 +1061,10 @@ def rounds_floor_lines(rows: Sequence[Row]) -> list[str]:
     those settings spends over it (its arithmetic and bookkeeping on the ranks' cores)."""
     lines = []
     for floor in rows:
-        if floor["system"] != "ddp" or not floor["scheme"].startswith("rounds-"):
+        if floor["system"] != "ddp" or not floor["scheme"].startswith(ROUNDS):
             continue
         model, link = floor["model"], floor["link"]
-        hook_spec = floor["scheme"].removeprefix("rounds-")
+        hook_spec = floor["scheme"].removeprefix(ROUNDS)
         hook = _step(rows, model, link, "ddp", hook_spec)
         if hook is None:
             continue

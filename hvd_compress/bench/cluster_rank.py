@@ -55,8 +55,9 @@ from hvd_compress.bench.models import CharTransformer
 BATCH = 32
 BATCHED = "batched-powersgd"
 """DDP's ``batched_powerSGD_hook``: the prefix of its ``ddp`` schemes."""
-ROUNDS = "rounds-powersgd"
-"""The prefix of the ``ddp`` schemes that run :class:`RoundsOnly`."""
+ROUNDS = "rounds-"
+"""The prefix of the ``ddp`` schemes that run :class:`RoundsOnly` (``rounds-powersgd:...``):
+the PowerSGD spec follows it."""
 
 
 def make_model(widths: Sequence[int], seed: int = 0) -> nn.Module:
@@ -295,7 +296,7 @@ class _System:
 
         batched = scheme.startswith(BATCHED)
         if scheme.startswith(ROUNDS):
-            spec = Compression.parse(scheme.removeprefix("rounds-"))
+            spec = Compression.parse(scheme.removeprefix(ROUNDS))
             assert isinstance(spec, PowerSGD)
             ddp = DistributedDataParallel(model, bucket_cap_mb=1000, init_sync=False)
             ddp.register_comm_hook(RoundsOnly(spec), rounds_only_hook)
@@ -326,7 +327,7 @@ class _System:
                 ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
                 settings["hook"] = "fp16_compress_hook"
             elif scheme != "none":
-                raise ValueError(f"ddp runs none, fp16, powersgd, {BATCHED} or {ROUNDS}, "
+                raise ValueError(f"ddp runs none, fp16, powersgd, {BATCHED} or {ROUNDS}powersgd, "
                                  f"not {scheme!r}")
         return ddp, optimizer, settings
 
