@@ -84,10 +84,14 @@ with one_rank_world():
         return all_reduce(tensor, *args, **kwargs)
     dist.all_reduce = record
     bucket = OneBucket([g for _, g in named])
-    out = rounds_only_hook(RoundsOnly(scheme), bucket).wait()
+    state = RoundsOnly(scheme)
+    out = rounds_only_hook(state, bucket).wait()
+    kept = [t.data_ptr() for t in state.rounds[bucket.index()]]
+    again = rounds_only_hook(state, bucket).wait()  # the next step: the same buffers
     print(json.dumps({"ours": pipeline.last_step.collective_bytes, "floor": sent,
-                      "zeros": not out.any().item(),
-                      "in_place": out.data_ptr() == bucket.buffer().data_ptr()}))
+                      "zeros": not out.any().item() and not again.any().item(),
+                      "in_place": out.data_ptr() == bucket.buffer().data_ptr(),
+                      "kept": kept == [t.data_ptr() for t in state.rounds[bucket.index()]]}))
 """
 
 
@@ -95,15 +99,16 @@ with one_rank_world():
 def test_the_rounds_floor_sends_what_our_powersgd_sends() -> None:
     """``bench cluster``'s ``rounds-powersgd`` floor on the transformer's gradients: its
     two all-reduces carry the bytes of our pipeline's rounds at the same rank, the dense
-    tensors with every ``P`` and then every ``Q``, and the bucket comes back as zeros."""
+    tensors with every ``P`` and then every ``Q``, step after step from the same buffers,
+    and the bucket comes back as zeros."""
     done = subprocess.run([sys.executable, "-c", ROUNDS_WORKER], capture_output=True,
                           text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     ours = result["ours"]
     assert set(ours) == {"dense", "P", "Q"}
-    assert result["floor"] == [ours["dense"] + ours["P"], ours["Q"]]
-    assert result["zeros"] and result["in_place"]
+    assert result["floor"] == [ours["dense"] + ours["P"], ours["Q"]] * 2  # two steps
+    assert result["zeros"] and result["in_place"] and result["kept"]
 
 
 @pytest.mark.multiprocess

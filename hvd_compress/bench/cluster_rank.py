@@ -116,7 +116,9 @@ class RoundsOnly:
 
     def __init__(self, scheme: Any) -> None:
         self.scheme = scheme
-        self.sizes: dict[int, tuple[int, int]] = {}
+        self.rounds: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        """Per bucket index, its two rounds' buffers: zeros, which all-reducing keeps
+        zeros, so they are allocated once and sent every step."""
 
     def round_sizes(self, shapes: Sequence[torch.Size]) -> tuple[int, int]:
         """Floats of the first round (dense tensors and every ``P``) and of the second
@@ -129,7 +131,7 @@ class RoundsOnly:
                 first += shape.numel()
                 continue
             n, m = self.scheme.matrix_shape(shape)
-            r = min(self.scheme.rank, n, m)
+            r = self.scheme.factor_rank(shape)
             first, second = first + n * r, second + m * r
         return first, second
 
@@ -139,11 +141,11 @@ def rounds_only_hook(state, bucket):  # DDP reads the annotations: none here
     the bucket's answer is zeros."""
     import torch.distributed as dist
 
-    sizes = state.sizes.get(bucket.index())
-    if sizes is None:
-        sizes = state.sizes[bucket.index()] = state.round_sizes(
-            [g.shape for g in bucket.gradients()])
-    first, second = (torch.zeros(n) for n in sizes)
+    rounds = state.rounds.get(bucket.index())
+    if rounds is None:
+        sizes = state.round_sizes([g.shape for g in bucket.gradients()])
+        rounds = state.rounds[bucket.index()] = (torch.zeros(sizes[0]), torch.zeros(sizes[1]))
+    first, second = rounds
     buffer = bucket.buffer()
 
     def second_round(done):

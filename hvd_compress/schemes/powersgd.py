@@ -106,7 +106,9 @@ class PowerSGD(Scheme):
         n = shape[0] if len(shape) else 1
         return n, shape.numel() // max(n, 1)
 
-    def _rank_for(self, shape: torch.Size) -> int:
+    def factor_rank(self, shape: torch.Size) -> int:
+        """``r = min(rank, n, m)``: the columns of the factors ``P`` and ``Q`` of a tensor of
+        this shape (its :meth:`matrix_shape` ``(n, m)``)."""
         n, m = self.matrix_shape(shape)
         return min(self.rank, n, m)
 
@@ -117,7 +119,7 @@ class PowerSGD(Scheme):
         """Bytes per step: ``4 (n + m) r``; with ``alternate``, the mean of a step's
         ``4 n r`` and the next one's ``4 m r``."""
         n, m = self.matrix_shape(shape)
-        both = 4 * (n + m) * self._rank_for(shape)
+        both = 4 * (n + m) * self.factor_rank(shape)
         return both // 2 if self.alternate else both
 
     def exchange(self, x: torch.Tensor, state: Mapping[str, torch.Tensor],
@@ -126,7 +128,7 @@ class PowerSGD(Scheme):
             return (yield from dense_warmup(x, state))
 
         n, m = self.matrix_shape(x.shape)
-        r = self._rank_for(x.shape)
+        r = self.factor_rank(x.shape)
         matrix = x.reshape(n, m)
         if self.alternate:
             return (yield from self._half_step(matrix, x.shape, r, state, ctx))
@@ -176,7 +178,7 @@ class PowerSGD(Scheme):
         warm-up) at once: one request per round for all of them, one outcome each."""
         shapes = [x.shape for x in xs]
         sizes = [self.matrix_shape(shape) for shape in shapes]
-        ranks = [self._rank_for(shape) for shape in shapes]
+        ranks = [self.factor_rank(shape) for shape in shapes]
         matrices = [x.reshape(nm) for x, nm in zip(xs, sizes, strict=True)]
         if self.alternate:
             return (yield from self._half_steps(matrices, shapes, ranks, states, ctxs))
