@@ -638,6 +638,32 @@ def test_cluster_report_measures_powersgd_over_its_rounds_alone() -> None:
     assert cluster.rounds_floor_lines([r for r in rows if "rounds" not in r["scheme"]]) == []
 
 
+def test_cluster_report_gives_each_launch_over_the_hook() -> None:
+    """Launched several times, each of our PowerSGD (at the hook's settings), 1-bit and
+    top-k rows is set against the hook launch by launch, with the launches that met its
+    target; other schemes, rows of another link and rows launched once are left out."""
+    from hvd_compress.bench import cluster
+
+    def row(system: str, scheme: str, runs: list[float], link: str = "1gbit"
+            ) -> dict[str, Any]:
+        return {"model": "transformer", "link": link, "system": system, "scheme": scheme,
+                "step_s": sorted(runs)[len(runs) // 2], "run_step_s": runs}
+
+    spec = "powersgd:rank=4,start_iter=2"
+    rows = [row("ddp", spec, [0.200, 0.160]), row("hvd-compress", f"{spec}@gloo", [0.170, 0.150]),
+            row("hvd-compress", "onebit", [0.190, 0.170]),
+            row("hvd-compress", "qsgd:bits=4", [0.100, 0.100]),
+            row("hvd-compress", spec, [0.150, 0.150], "100mbit")]
+    lines = cluster.launch_lines(rows)
+    assert lines == [
+        f"- transformer 1gbit: hvd-compress {spec}@gloo over DDP {spec} hook: 0.850, 0.938; "
+        "mean 0.894 (SD 0.062); at most 0.9 in 1 of 2 launches",
+        f"- transformer 1gbit: hvd-compress onebit over DDP {spec} hook: 0.950, 1.062; "
+        "mean 1.006 (SD 0.080); at most 1 in 1 of 2 launches"], lines
+    once = [{**r, "run_step_s": r["run_step_s"][:1]} for r in rows]
+    assert cluster.launch_lines(once) == []
+
+
 def test_thread_cpu_is_told_apart_by_thread_name() -> None:
     """A row's ``cpu_threads_s_per_step``: a named thread's CPU goes to its name, not to the
     main thread's, per step; a thread that has ended is not counted."""

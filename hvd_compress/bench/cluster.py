@@ -1081,6 +1081,40 @@ def rounds_floor_lines(rows: Sequence[Row]) -> list[str]:
     return lines
 
 
+def launch_lines(rows: Sequence[Row]) -> list[str]:
+    """For each model and link launched several times (``Plan.repeats``): each of our
+    PowerSGD rows at the hook's settings (``alternate`` at twice the rank too), 1-bit and
+    top-k rows over DDP's ``powerSGD_hook``, launch by launch, with how many launches met
+    the row's target (:data:`HOOK_RATIO` for PowerSGD, 1 for the others). Launches are
+    taken in turn, all systems then all again, so the i-th of each ran side by side. The
+    targets read the pooled rows; these lines say how far one launch can move them."""
+    lines = []
+    for hook in rows:
+        if hook["system"] != "ddp" or not hook["scheme"].startswith("powersgd") \
+                or len(hook.get("run_step_s", ())) < 2:
+            continue
+        model, link, runs = hook["model"], hook["link"], hook["run_step_s"]
+        for r in rows:
+            spec = split_spec(r["scheme"])[0]
+            if r["model"] != model or r["link"] != link or not is_ours(r) \
+                    or len(r.get("run_step_s", ())) != len(runs):
+                continue
+            if sends_as_hook(spec, hook["scheme"]):
+                goal = HOOK_RATIO
+            elif spec.split(":")[0] in ("onebit", "topk"):
+                goal = 1.0
+            else:
+                continue
+            ratios = [mine / theirs for mine, theirs in zip(r["run_step_s"], runs, strict=True)]
+            met = sum(ratio <= goal for ratio in ratios)
+            lines.append(f"- {model} {link}: {label(r)} over DDP {hook['scheme']} hook: "
+                         + ", ".join(f"{ratio:.3f}" for ratio in ratios)
+                         + f"; mean {statistics.mean(ratios):.3f} (SD "
+                         f"{statistics.stdev(ratios):.3f}); at most {goal:g} in {met} of "
+                         f"{len(ratios)} launches")
+    return lines
+
+
 def summary(rows: Sequence[Row]) -> str:
     steps, accuracy = step_rows(rows), accuracy_rows(rows)
     measured = steps + accuracy
@@ -1115,5 +1149,9 @@ def summary(rows: Sequence[Row]) -> str:
         floors = rounds_floor_lines(steps)
         if floors:
             out += ["", "Step over PowerSGD's rounds alone (rounds-powersgd):", *floors]
+        launches = launch_lines(steps)
+        if launches:
+            out += ["", "Over the hook launch by launch (the targets read the pooled rows):",
+                    *launches]
     return "\n".join(out)
 
