@@ -757,6 +757,8 @@ def markdown(rows: Sequence[Row]) -> str:
 
 HOOK_RATIO = 0.9
 """Our PowerSGD's target step time against DDP's ``powerSGD_hook`` at the same rank."""
+NO_SLOWER = ("onebit", "topk")
+"""Our schemes whose target is a step no slower than DDP's ``powerSGD_hook``."""
 
 
 def _step(rows: Sequence[Row], model: str, link: str, system: str, scheme: str
@@ -812,7 +814,7 @@ def _hook_targets(rows: Sequence[Row], model: str, link: str) -> list[str]:
             others: dict[tuple[str, bool, bool], list[Row]] = {}
             for r in mine:
                 spec, options = split_spec(r["scheme"])
-                if spec.split(":")[0] in ("onebit", "topk"):
+                if spec.split(":")[0] in NO_SLOWER:
                     key = (spec, options["server"], "hierarchy" in options)
                     others.setdefault(key, []).append(r)
             for routes in others.values():
@@ -1101,7 +1103,7 @@ def launch_lines(rows: Sequence[Row]) -> list[str]:
                 continue
             if sends_as_hook(spec, hook["scheme"]):
                 goal = HOOK_RATIO
-            elif spec.split(":")[0] in ("onebit", "topk"):
+            elif spec.split(":")[0] in NO_SLOWER:
                 goal = 1.0
             else:
                 continue
