@@ -1,9 +1,10 @@
 // PowerSGD's CPU arithmetic with a gradient matrix M (n x m, rows ld apart) and thin
 // factors of r columns, each sum in a stated order: the same bits on every thread count and
-// every x86-64 CPU, which MKL's GEMM does not promise, and faster than it on these shapes
-// (docs/results/lowrank-commit-48b5da6, lowrank-products-18c3108). Each product is rounded
-// to float32 and then added (no fused multiply-add: the library is built with
-// -ffp-contract=off).
+// every x86-64 CPU, which MKL's GEMM does not promise. On an AMD EPYC they are faster than
+// it on the zoo's shapes; on the Xeon, slower at the transformer's small ones
+// (docs/results/lowrank-commit-48b5da6, lowrank-products-18c3108, intel-check-6ec8897).
+// Each product is rounded to float32 and then added (no fused multiply-add: the library is
+// built with -ffp-contract=off).
 //
 // hvdc_lowrank_apply, the commit (hvd_compress.schemes.base.LowRank.write, .subtract_from):
 // out (n x m, contiguous) receives, for every entry,
